@@ -1,0 +1,40 @@
+"""cola_jax: constrained Langevin training (CoLA) as optax transformations.
+
+Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of Neural
+Networks*, OPT2020.
+"""
+
+from cola_jax import langevin
+from cola_jax.alias import (
+    c_cola_od,
+    c_cola_ud,
+    langevin_to_sgd_momentum,
+    o_cola_od,
+    o_cola_ud,
+    sgd_momentum_to_langevin,
+)
+from cola_jax.constraints import Circle, CircleState, Constraint, Orthogonal, ProjectionInfo
+from cola_jax.diagnostics import constraint_residuals
+from cola_jax.transforms import OverdampedState, UnderdampedState, cola_od, cola_ud
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Circle",
+    "CircleState",
+    "Constraint",
+    "Orthogonal",
+    "OverdampedState",
+    "ProjectionInfo",
+    "UnderdampedState",
+    "c_cola_od",
+    "c_cola_ud",
+    "cola_od",
+    "cola_ud",
+    "constraint_residuals",
+    "langevin",
+    "langevin_to_sgd_momentum",
+    "o_cola_od",
+    "o_cola_ud",
+    "sgd_momentum_to_langevin",
+]

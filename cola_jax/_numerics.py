@@ -1,0 +1,60 @@
+"""Elementwise numerics shared by the constraints."""
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# pi/2 split into three float32 parts whose products with small integers are
+# exact (Cody-Waite range reduction).
+_PIO2_HI = np.float32(1.5703125)
+_PIO2_MID = np.float32(4.837512969970703125e-4)
+_PIO2_LO = np.float32(7.54978995489188216e-8)
+
+
+def sincos(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Returns ``(sin(x), cos(x))`` to float32 accuracy, in plain arithmetic.
+
+  XLA's CPU backend evaluates ``jnp.sin`` and ``jnp.cos`` as two separate
+  scalar-heavy expansions and, inside a multi-output update, computes each of
+  them once per output. This version reduces ``x = k pi/2 + y`` with
+  ``|y| <= pi/4`` and evaluates minimax polynomials for sin and cos on the
+  reduced argument, so XLA vectorises and fuses it like any product or sum.
+  Absolute error <= 1.2e-7 for float32 arguments with ``|x| <= 100`` (tested).
+  Other float dtypes fall back to ``jnp.sin`` and ``jnp.cos``.
+  """
+  if x.dtype != jnp.float32:
+    return jnp.sin(x), jnp.cos(x)
+  k = jnp.round(x * np.float32(2 / np.pi))
+  y = x - k * _PIO2_HI - k * _PIO2_MID - k * _PIO2_LO
+  y2 = y * y
+  sin_y = y + y * y2 * (
+      np.float32(-1.6666654611e-1)
+      + y2 * (np.float32(8.3321608736e-3) + y2 * np.float32(-1.9515295891e-4)))
+  cos_y = (1 - 0.5 * y2) + y2 * y2 * (
+      np.float32(4.166664568298827e-2)
+      + y2 * (np.float32(-1.388731625493765e-3)
+              + y2 * np.float32(2.443315711809948e-5)))
+  quadrant = k.astype(jnp.int32) & 3
+  odd = (quadrant & 1) == 1
+  sin_x = jnp.where(odd, cos_y, sin_y)
+  cos_x = jnp.where(odd, sin_y, cos_y)
+  sin_x = jnp.where(quadrant >= 2, -sin_x, sin_x)
+  cos_x = jnp.where((quadrant == 1) | (quadrant == 2), -cos_x, cos_x)
+  return sin_x, cos_x
+
+
+def concrete_float(value: Any) -> Optional[float]:
+  """The value as a Python float when it is known now, else None.
+
+  Hyperparameters may arrive as traced arrays (under ``jit`` or
+  ``optax.inject_hyperparams``) or as schedules; those cannot be checked at
+  construction and are left to the caller.
+  """
+  if callable(value):
+    return None
+  try:
+    return float(value)
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    return None

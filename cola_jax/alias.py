@@ -1,0 +1,234 @@
+"""The paper's four methods by name, and the SGD-momentum hyperparameter map.
+
+``c_cola_od``, ``c_cola_ud`` constrain weights to ``|theta| <= radius`` (circle
+constraints); ``o_cola_od``, ``o_cola_ud`` keep weight matrices and kernels
+orthonormal. By default every leaf with ``ndim >= 2`` (weights and kernels) is
+constrained and biases are free; ``mask`` chooses otherwise, as in
+``optax.masked``.
+"""
+
+import math
+from typing import Any, Callable, Optional, Union
+
+import jax
+import optax
+
+from cola_jax.constraints.circle import Circle
+from cola_jax.constraints.orthogonal import Orthogonal
+from cola_jax.transforms import cola_od, cola_ud
+
+MaskOrFn = Union[None, Any, Callable[[Any], Any]]
+RadiusSpec = Union[float, Any, Callable[[Any], Any]]
+
+
+def _default_mask(params):
+  return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def _per_leaf(spec, params, what: str, owner: str):
+  """A prefix pytree (or a callable giving one) broadcast to the parameters."""
+  if callable(spec):
+    spec = spec(params)
+  try:
+    return jax.tree.broadcast(spec, params, is_leaf=lambda x: x is None)
+  except ValueError as error:
+    raise ValueError(f"{owner}: {what} must be a pytree prefix of the parameters.\n{error}") from None
+
+
+def _masked_constraints(owner: str, mask: MaskOrFn, make: Callable[[Any, str], Any]):
+  """A callable params -> tree of constraints: ``make(leaf_spec, path)`` where masked in."""
+
+  def constraints(params):
+    masks = _per_leaf(_default_mask if mask is None else mask, params, "mask", owner)
+
+    def assign(path, masked_in, leaf):
+      if masked_in is None or not masked_in:
+        return None
+      return make(leaf, jax.tree_util.keystr(path))
+
+    return jax.tree_util.tree_map_with_path(assign, masks, params, is_leaf=lambda x: x is None)
+
+  return constraints
+
+
+def _circles(owner: str, radius: RadiusSpec, mask: MaskOrFn):
+  def constraints(params):
+    radii = _per_leaf(radius, params, "radius", owner)
+    radii_leaves = dict(zip(
+        [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]],
+        jax.tree.structure(params).flatten_up_to(radii)))
+
+    def make(leaf, path):
+      r = radii_leaves[path]
+      if r is None:
+        return None
+      try:
+        return Circle(r)
+      except ValueError as error:
+        raise ValueError(f"{owner}: the radius for the leaf at {path}: {error}") from None
+
+    return _masked_constraints(owner, mask, make)(params)
+
+  return constraints
+
+
+def c_cola_od(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    radius: RadiusSpec,
+    mask: MaskOrFn = None,
+    temperature: optax.ScalarOrSchedule = 0.0,
+    key: Optional[jax.Array] = None,
+) -> optax.GradientTransformation:
+  """c-CoLA-od: overdamped Langevin with ``|theta| <= radius`` per weight.
+
+  Args:
+    learning_rate: the step size ``h > 0``, a number or an optax schedule.
+    radius: ``r > 0``: a number, a pytree prefix of the parameters with number
+      or ``None`` leaves (``None``: that leaf is free), or a callable mapping
+      the parameters to such a pytree.
+    mask: which leaves are constrained, as in ``optax.masked`` (a pytree of
+      bools or a callable); default: every leaf with ``ndim >= 2``.
+    temperature: ``tau >= 0``, a number or an optax schedule.
+    key: a JAX PRNG key, required unless ``temperature`` is exactly 0.
+
+  Returns:
+    :func:`cola_jax.cola_od` with :class:`cola_jax.Circle` constraints.
+
+  Example:
+    >>> import cola_jax as cola
+    >>> tx = cola.c_cola_od(0.1, radius={'hidden': 0.05, 'out': 0.1})  # doctest: +SKIP
+  """
+  return cola_od(learning_rate, constraints=_circles("c_cola_od", radius, mask),
+                 temperature=temperature, key=key)
+
+
+def c_cola_ud(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    friction: float,
+    radius: RadiusSpec,
+    mask: MaskOrFn = None,
+    temperature: optax.ScalarOrSchedule = 0.0,
+    key: Optional[jax.Array] = None,
+) -> optax.GradientTransformation:
+  """c-CoLA-ud: underdamped Langevin (OBA) with ``|theta| <= radius`` per weight.
+
+  The paper's Fashion-MNIST setting is ``c_cola_ud(0.3, friction=1.0,
+  radius={'Dense_0': 0.05, 'Dense_1': 0.1})`` at temperature 0.
+
+  Args:
+    learning_rate: the step size ``h > 0``, a number or an optax schedule.
+    friction: ``gamma >= 0``.
+    radius: as for :func:`c_cola_od`.
+    mask: as for :func:`c_cola_od`.
+    temperature: ``tau >= 0``, a number or an optax schedule.
+    key: a JAX PRNG key, required unless ``temperature`` is exactly 0.
+
+  Returns:
+    :func:`cola_jax.cola_ud` with :class:`cola_jax.Circle` constraints.
+  """
+  return cola_ud(learning_rate, friction=friction, constraints=_circles("c_cola_ud", radius, mask),
+                 temperature=temperature, key=key)
+
+
+def o_cola_od(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    mask: MaskOrFn = None,
+    temperature: optax.ScalarOrSchedule = 0.0,
+    key: Optional[jax.Array] = None,
+    tolerance: float = 1e-6,
+    max_iterations: int = 20,
+) -> optax.GradientTransformation:
+  """o-CoLA-od: overdamped Langevin with orthonormal weight matrices and kernels.
+
+  Args:
+    learning_rate: the step size ``h > 0``, a number or an optax schedule.
+    mask: which leaves are constrained (pytree of bools or callable); default:
+      every leaf with ``ndim >= 2``. A masked-in leaf with ``ndim < 2`` is an
+      error naming its path.
+    temperature: ``tau >= 0``, a number or an optax schedule.
+    key: a JAX PRNG key, required unless ``temperature`` is exactly 0.
+    tolerance: projection tolerance on ``max |Q^T Q - I|``.
+    max_iterations: bound on quasi-Newton iterations per projection.
+
+  Returns:
+    :func:`cola_jax.cola_od` with :class:`cola_jax.Orthogonal` constraints.
+  """
+  orthogonal = Orthogonal(tolerance=tolerance, max_iterations=max_iterations)
+  return cola_od(learning_rate, constraints=_masked_constraints("o_cola_od", mask, lambda *_: orthogonal),
+                 temperature=temperature, key=key)
+
+
+def o_cola_ud(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    friction: float,
+    mask: MaskOrFn = None,
+    temperature: optax.ScalarOrSchedule = 0.0,
+    key: Optional[jax.Array] = None,
+    tolerance: float = 1e-6,
+    max_iterations: int = 20,
+) -> optax.GradientTransformation:
+  """o-CoLA-ud: underdamped Langevin (OBA, RATTLE A step) with orthonormal weights.
+
+  Args:
+    learning_rate: the step size ``h > 0``, a number or an optax schedule.
+    friction: ``gamma >= 0``.
+    mask: as for :func:`o_cola_od`.
+    temperature: ``tau >= 0``, a number or an optax schedule.
+    key: a JAX PRNG key, required unless ``temperature`` is exactly 0.
+    tolerance: projection tolerance on ``max |Q^T Q - I|``.
+    max_iterations: bound on quasi-Newton iterations per projection.
+
+  Returns:
+    :func:`cola_jax.cola_ud` with :class:`cola_jax.Orthogonal` constraints.
+  """
+  orthogonal = Orthogonal(tolerance=tolerance, max_iterations=max_iterations)
+  return cola_ud(learning_rate, friction=friction,
+                 constraints=_masked_constraints("o_cola_ud", mask, lambda *_: orthogonal),
+                 temperature=temperature, key=key)
+
+
+def sgd_momentum_to_langevin(learning_rate: float, momentum: float) -> tuple[float, float]:
+  r"""The ``(h, gamma)`` of :func:`cola_ud` that reproduce SGD with momentum.
+
+  With ``tau = 0``, no constraint and zero initial momentum, the OBA step with
+  step size ``h`` and friction ``gamma`` equals
+  ``optax.sgd(learning_rate, momentum=momentum)`` when
+
+  .. math::
+    h = \sqrt{\text{learning\_rate}}, \qquad \gamma = -\log(\text{momentum}) / h.
+
+  Example: SGD-m with ``learning_rate=0.1, momentum=0.9`` is ``h = 0.316``,
+  ``gamma = 0.333``.
+
+  Args:
+    learning_rate: SGD's learning rate, ``> 0``.
+    momentum: SGD's momentum, in ``(0, 1]``.
+
+  Returns:
+    ``(h, gamma)``.
+  """
+  if not learning_rate > 0:
+    raise ValueError(f"learning_rate must be positive, got {learning_rate!r}.")
+  if not 0 < momentum <= 1:
+    raise ValueError(
+        f"momentum must be in (0, 1], got {momentum!r} (momentum 0 is infinite "
+        "friction; use cola_od for plain SGD).")
+  h = math.sqrt(learning_rate)
+  return h, -math.log(momentum) / h
+
+
+def langevin_to_sgd_momentum(learning_rate: float, friction: float) -> tuple[float, float]:
+  """The inverse of :func:`sgd_momentum_to_langevin`: ``(h**2, exp(-gamma h))``.
+
+  Example: the paper's c-CoLA-ud ``h = 0.3, gamma = 1`` has the SGD-m
+  hyperparameters ``learning_rate = 0.09, momentum = 0.741``.
+  """
+  if not learning_rate > 0:
+    raise ValueError(f"learning_rate must be positive, got {learning_rate!r}.")
+  if not friction >= 0:
+    raise ValueError(f"friction must be non-negative, got {friction!r}.")
+  return learning_rate**2, math.exp(-friction * learning_rate)

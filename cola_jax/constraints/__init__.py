@@ -1,0 +1,7 @@
+"""Constraint manifolds, one module each."""
+
+from cola_jax.constraints.base import Constraint, Euclidean
+from cola_jax.constraints.circle import Circle, CircleState
+from cola_jax.constraints.orthogonal import Orthogonal, ProjectionInfo
+
+__all__ = ["Circle", "CircleState", "Constraint", "Euclidean", "Orthogonal", "ProjectionInfo"]

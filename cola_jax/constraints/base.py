@@ -1,0 +1,142 @@
+"""What a constraint manifold provides to the Langevin maps.
+
+A constraint acts on one parameter leaf. Its *point* is the leaf's position on
+the manifold in whatever coordinates the geometry prefers (a slack variable
+beside the weights, a tall matrix view of a kernel), its *momentum* lives in the
+cotangent space at that point, in the geometry's own coordinates. The Langevin
+maps in :mod:`cola_jax.langevin` only combine these operations; they know
+nothing about a particular manifold.
+
+Every method is a pure function of arrays, safe under ``jit`` and ``vmap``.
+"""
+
+import abc
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Point = Any
+Momentum = Any
+Aux = Any
+
+
+class Constraint(abc.ABC):
+  """A manifold ``{q : g(q) = 0}`` for one parameter leaf.
+
+  Subclasses are frozen dataclasses: hashable, comparable, and free of arrays
+  other than hyperparameters, so that transforms can be rebuilt inside
+  ``optax.inject_hyperparams`` without recompiling.
+  """
+
+  def validate(self, param: jax.Array, path: str) -> None:
+    """Raises ValueError naming ``path`` if the leaf cannot carry this constraint."""
+
+  @abc.abstractmethod
+  def init(self, param: jax.Array) -> Aux:
+    """The auxiliary state (slack variables, diagnostics) for a new leaf.
+
+    It has a method ``residual(param)``: how far ``param`` (with this state) is
+    from the manifold, as a scalar.
+    """
+
+  @abc.abstractmethod
+  def point(self, param: jax.Array, aux: Aux) -> Point:
+    """The point on the manifold re-established from the current parameter.
+
+    Rounding in ``params + updates`` and parameters that start off the manifold
+    are corrected here, so that error never accumulates over steps.
+    """
+
+  @abc.abstractmethod
+  def unpack(self, point: Point, param: jax.Array) -> tuple[jax.Array, Aux]:
+    """The parameter value (shaped like ``param``) and auxiliary state of a point."""
+
+  @abc.abstractmethod
+  def ambient_gradient(self, point: Point, grad: jax.Array) -> Point:
+    """The loss gradient as a vector of the ambient space (zero on slacks)."""
+
+  @abc.abstractmethod
+  def ambient_normal(self, key: jax.Array, point: Point) -> Point:
+    """A standard normal vector of the ambient space."""
+
+  @abc.abstractmethod
+  def project(self, anchor: Point, step: Point) -> Point:
+    """The point of the manifold reached by the ambient ``step`` from ``anchor``.
+
+    ``anchor + step`` is generally off the manifold; it is corrected along the
+    constraint force of the geometry's choice.
+    """
+
+  @abc.abstractmethod
+  def cotangent(self, point: Point, vector: Point) -> Momentum:
+    """Orthogonal projection of an ambient vector onto the cotangent space."""
+
+  @abc.abstractmethod
+  def cotangent_normal(self, key: jax.Array, point: Point) -> Momentum:
+    """A standard normal vector of the cotangent space (projected noise)."""
+
+  @abc.abstractmethod
+  def zero_momentum(self, param: jax.Array) -> jax.Array:
+    """The stored form of a zero momentum for the leaf."""
+
+  @abc.abstractmethod
+  def load_momentum(self, stored: jax.Array) -> Momentum:
+    """The momentum in the geometry's coordinates from its stored form."""
+
+  @abc.abstractmethod
+  def store_momentum(self, momentum: Momentum, param: jax.Array) -> jax.Array:
+    """The stored form of a momentum (shaped and typed as the leaf)."""
+
+  @abc.abstractmethod
+  def a_step(self, point: Point, momentum: Momentum, h) -> tuple[Point, Momentum]:
+    """The constrained free flight (the A step) over time ``h``."""
+
+
+class Euclidean(Constraint):
+  """No constraint: the flat space of the leaf, for weights left free."""
+
+  def __eq__(self, other):
+    return isinstance(other, Euclidean)
+
+  def __hash__(self):
+    return hash(Euclidean)
+
+  def __repr__(self):
+    return "Euclidean()"
+
+  def init(self, param):
+    return None
+
+  def point(self, param, aux):
+    return param
+
+  def unpack(self, point, param):
+    return point, None
+
+  def ambient_gradient(self, point, grad):
+    return grad
+
+  def ambient_normal(self, key, point):
+    return jax.random.normal(key, point.shape, point.dtype)
+
+  def project(self, anchor, step):
+    return anchor + step
+
+  def cotangent(self, point, vector):
+    return vector
+
+  def cotangent_normal(self, key, point):
+    return self.ambient_normal(key, point)
+
+  def zero_momentum(self, param):
+    return jnp.zeros_like(param)
+
+  def load_momentum(self, stored):
+    return stored
+
+  def store_momentum(self, momentum, param):
+    return momentum
+
+  def a_step(self, point, momentum, h):
+    return point + h * momentum, momentum

@@ -1,0 +1,128 @@
+r"""Circle constraint: ``|theta_i| <= r`` for every entry, through a slack variable.
+
+Each constrained weight ``theta`` gets a slack ``xi`` with
+
+.. math::
+  g(\theta, \xi) = \theta^2 + \xi^2 - r^2 = 0,
+
+so the pair moves on a circle of radius ``r`` and ``|theta| <= r`` holds
+without clipping. The cotangent space at ``(theta, xi)`` is one-dimensional,
+spanned by the unit tangent ``t = (xi, -theta) / r``; the momentum is stored as
+its coordinate ``v`` along ``t`` (one array, shaped like the weight), and the
+projected noise is one standard normal per weight.
+
+The A step is the exact geodesic flow: a rotation of ``(theta, xi)`` by the
+angle ``h v / r``, with ``v`` unchanged. The overdamped projection is the
+orthogonal (radial) one, ``r (theta, xi) / |(theta, xi)|``, which keeps the
+quadrant (the paper's ``arctan(xi / theta)`` form does not; see
+``../shared/paper/NOTES.md``, erratum 2).
+
+References:
+  Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of
+  Neural Networks*, OPT2020, Appendix B (c-CoLA-od, c-CoLA-ud).
+"""
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from cola_jax._numerics import concrete_float, sincos
+from cola_jax.constraints.base import Constraint
+
+
+class CircleState(NamedTuple):
+  """Auxiliary state of a circle-constrained leaf."""
+
+  slack: jax.Array  # xi, shaped like the weight
+  radius: jax.Array  # r, a scalar (kept so that residuals need only the state)
+
+  def residual(self, param: jax.Array) -> jax.Array:
+    """``max |theta^2 + xi^2 - r^2| / r^2`` and ``max(|theta| - r, 0) / r``."""
+    theta = param.astype(jnp.float32)
+    r = self.radius.astype(jnp.float32)
+    on_circle = jnp.max(jnp.abs(theta**2 + self.slack.astype(jnp.float32)**2 - r**2)) / r**2
+    outside = jnp.max(jnp.maximum(jnp.abs(theta) - r, 0.0)) / r
+    return jnp.maximum(on_circle, outside)
+
+
+@dataclasses.dataclass(frozen=True)
+class Circle(Constraint):
+  """``|theta| <= radius`` entrywise, as ``theta^2 + xi^2 = radius^2``.
+
+  Args:
+    radius: the bound ``r > 0`` on each entry of the leaf.
+
+  Weights that start outside ``[-r, r]`` are clipped onto it by the first
+  update; the slack starts at ``+sqrt(r^2 - theta^2)``.
+
+  Example:
+    >>> import cola_jax as cola
+    >>> tx = cola.cola_ud(0.3, friction=1.0,
+    ...                   constraints={'w': cola.Circle(0.1), 'b': None})
+  """
+
+  radius: float
+
+  def __post_init__(self):
+    r = concrete_float(self.radius)
+    if r is not None and not r > 0:
+      raise ValueError(f"Circle: radius must be positive, got {self.radius!r}.")
+
+  def init(self, param):
+    r = jnp.asarray(self.radius, param.dtype)
+    theta = jnp.clip(param, -r, r)
+    return CircleState(slack=jnp.sqrt(jnp.maximum(r * r - theta * theta, 0)), radius=r)
+
+  def point(self, param, aux):
+    r = jnp.asarray(self.radius, param.dtype)
+    return self._onto_circle(jnp.clip(param, -r, r), aux.slack)
+
+  def _onto_circle(self, theta, xi):
+    """Radial projection ``r (theta, xi) / |(theta, xi)|``; ``(0, r)`` for the origin."""
+    r = jnp.asarray(self.radius, theta.dtype)
+    norm_sq = theta * theta + xi * xi
+    degenerate = norm_sq == 0
+    xi = jnp.where(degenerate, r, xi)
+    scale = r / jnp.sqrt(jnp.where(degenerate, r * r, norm_sq))
+    return theta * scale, xi * scale
+
+  def unpack(self, point, param):
+    theta, xi = point
+    return theta, CircleState(slack=xi, radius=jnp.asarray(self.radius, theta.dtype))
+
+  def ambient_gradient(self, point, grad):
+    theta, _ = point
+    return grad, jnp.zeros_like(theta)
+
+  def ambient_normal(self, key, point):
+    theta, _ = point
+    noise = jax.random.normal(key, (2,) + theta.shape, theta.dtype)
+    return noise[0], noise[1]
+
+  def project(self, anchor, step):
+    return self._onto_circle(anchor[0] + step[0], anchor[1] + step[1])
+
+  def cotangent(self, point, vector):
+    theta, xi = point
+    v_theta, v_xi = vector
+    return (v_theta * xi - v_xi * theta) / self.radius
+
+  def cotangent_normal(self, key, point):
+    theta, _ = point
+    return jax.random.normal(key, theta.shape, theta.dtype)
+
+  def zero_momentum(self, param):
+    return jnp.zeros_like(param)
+
+  def load_momentum(self, stored):
+    return stored
+
+  def store_momentum(self, momentum, param):
+    return momentum
+
+  def a_step(self, point, momentum, h):
+    theta, xi = point
+    sin, cos = sincos(momentum * (h / self.radius))
+    return (cos * theta + sin * xi, cos * xi - sin * theta), momentum

@@ -1,0 +1,204 @@
+r"""Orthogonality constraint: orthonormal columns (tall) or rows (wide).
+
+A leaf of shape ``(..., n)`` is viewed as the matrix ``W`` of shape
+``(prod(shape[:-1]), n)``: for Flax's ``Dense`` kernel ``(in, out)`` and conv
+kernel ``(kh, kw, in, out)`` the output units or filters are the columns. With
+``s = min(rows, cols)`` the constraint is ``W^T W = I_s`` for a tall matrix and
+``W W^T = I_s`` for a wide one. Internally both are the tall matrix
+``Q`` (``W`` or ``W^T``) of shape ``(r, s)``, ``r >= s``, with ``Q^T Q = I_s``.
+
+Projection onto the manifold after a step ``Q_bar = Q_n + D`` is the paper's
+quasi-Newton iteration, which keeps ``Q_n`` as the direction of the constraint
+force (so that it solves ``Q_{n+1} = Q_bar - Q_n Lambda`` with ``Lambda``
+symmetric):
+
+.. math::
+  Q^{(k+1)} = Q^{(k)} - \tfrac12 Q_n \big(Q^{(k)T} Q^{(k)} - I_s\big),
+
+run until ``max |Q^T Q - I| <= tolerance`` or ``max_iterations`` is reached.
+It converges linearly, more slowly as the step grows relative to the matrix, so
+a fixed iteration count has no error bound; a step that does not converge is
+flagged in the leaf's :class:`ProjectionInfo` and finished with the polar
+projection (the nearest orthonormal matrix), so the constraint holds after
+every update.
+
+The cotangent projection is
+``Pi_Q P = P - 1/2 Q (P^T Q + Q^T P)``, and the A step is RATTLE: the position
+is projected as above and the momentum is corrected by the same multiplier and
+then projected onto the cotangent space at the new point.
+
+References:
+  Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of
+  Neural Networks*, OPT2020, Appendix B (o-CoLA-od, o-CoLA-ud).
+  Leimkuhler and Reich, *Simulating Hamiltonian Dynamics*, 2004, ch. 7
+  (RATTLE).
+"""
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from cola_jax._numerics import concrete_float
+from cola_jax.constraints.base import Constraint
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def tall_view(w: jax.Array) -> jax.Array:
+  """The ``(r, s)`` matrix, ``r >= s``, with orthonormal columns on the manifold."""
+  matrix = w.reshape(-1, w.shape[-1])
+  return matrix if matrix.shape[0] >= matrix.shape[1] else matrix.T
+
+
+def from_tall_view(q: jax.Array, like: jax.Array) -> jax.Array:
+  """Inverse of :func:`tall_view` for a leaf shaped like ``like``."""
+  rows = like.size // like.shape[-1]
+  matrix = q if rows >= like.shape[-1] else q.T
+  return matrix.reshape(like.shape)
+
+
+def gram_defect(q: jax.Array) -> jax.Array:
+  """``Q^T Q - I`` at full float32 precision on every backend."""
+  gram = jnp.matmul(q.T, q, precision=_HIGHEST)
+  return gram - jnp.eye(q.shape[1], dtype=q.dtype)
+
+
+def polar_factor(q: jax.Array) -> jax.Array:
+  """The nearest matrix with orthonormal columns, ``U V^T`` from ``Q = U S V^T``."""
+  u, _, vt = jnp.linalg.svd(q, full_matrices=False)
+  return jnp.matmul(u, vt, precision=_HIGHEST)
+
+
+def _polar_where(q: jax.Array, needed: jax.Array) -> jax.Array:
+  """``polar_factor(q)`` where ``needed``, else ``q``; costs nothing when not needed.
+
+  A ``lax.cond`` with a batched predicate becomes a select under ``vmap`` and
+  would run the SVD for every seed at every step; a while loop of at most one
+  iteration runs it only while some member of the batch needs it.
+  """
+  q, _ = jax.lax.while_loop(
+      lambda carry: carry[1], lambda carry: (polar_factor(carry[0]), jnp.array(False)),
+      (q, needed))
+  return q
+
+
+class ProjectionInfo(NamedTuple):
+  """Diagnostics of a leaf's last projection onto the orthogonal manifold."""
+
+  iterations: jax.Array  # quasi-Newton iterations used
+  converged: jax.Array  # False: the tolerance was not met and the polar factor was used
+
+  def residual(self, param: jax.Array) -> jax.Array:
+    """``max |Q^T Q - I|`` of the leaf, computed in float32."""
+    return jnp.max(jnp.abs(gram_defect(tall_view(param.astype(jnp.float32)))))
+
+
+class StiefelPoint(NamedTuple):
+  matrix: jax.Array  # Q, (r, s) with r >= s
+  info: ProjectionInfo
+
+
+@dataclasses.dataclass(frozen=True)
+class Orthogonal(Constraint):
+  """Orthonormal columns (tall) or rows (wide) of the leaf viewed as a matrix.
+
+  Args:
+    tolerance: the projection stops once ``max |Q^T Q - I| <= tolerance``.
+    max_iterations: the bound on quasi-Newton iterations per projection;
+      a projection that reaches it without meeting the tolerance is finished
+      with the polar factor and flagged (``ProjectionInfo.converged``).
+    reproject_above: a parameter whose ``max |Q^T Q - I|`` exceeds this at the
+      start of a step (it started off the manifold, or was changed outside the
+      optimizer) is first replaced by its polar factor, the nearest orthonormal
+      matrix. Rounding from ``params + updates`` stays far below it and is
+      absorbed by the step's own projection.
+
+  Example:
+    >>> import cola_jax as cola
+    >>> tx = cola.cola_od(0.1, constraints={'kernel': cola.Orthogonal(), 'bias': None})
+  """
+
+  tolerance: float = 1e-6
+  max_iterations: int = 20
+  reproject_above: float = 1e-3
+
+  def __post_init__(self):
+    for name in ("tolerance", "reproject_above"):
+      value = concrete_float(getattr(self, name))
+      if value is not None and not value > 0:
+        raise ValueError(f"Orthogonal: {name} must be positive, got {getattr(self, name)!r}.")
+    iterations = concrete_float(self.max_iterations)
+    if iterations is not None and not (iterations >= 1 and iterations == int(iterations)):
+      raise ValueError(
+          f"Orthogonal: max_iterations must be a positive integer, got {self.max_iterations!r}.")
+
+  def validate(self, param, path):
+    if param.ndim < 2:
+      raise ValueError(
+          f"Orthogonal constraint on the leaf at {path}, of shape {param.shape}: "
+          "it needs a matrix or a kernel (ndim >= 2). Leave biases and scales "
+          "unconstrained (None).")
+
+  def init(self, param):
+    return ProjectionInfo(iterations=jnp.zeros((), jnp.int32), converged=jnp.array(True))
+
+  def point(self, param, aux):
+    q = tall_view(param)
+    off = jnp.max(jnp.abs(gram_defect(q))) > self.reproject_above
+    return StiefelPoint(_polar_where(q, off), aux)
+
+  def unpack(self, point, param):
+    return from_tall_view(point.matrix, param), point.info
+
+  def ambient_gradient(self, point, grad):
+    return tall_view(grad)
+
+  def ambient_normal(self, key, point):
+    return jax.random.normal(key, point.matrix.shape, point.matrix.dtype)
+
+  def project(self, anchor, step):
+    q_n = anchor.matrix
+
+    def not_done(carry):
+      _, defect, k = carry
+      return (jnp.max(jnp.abs(defect)) > self.tolerance) & (k < self.max_iterations)
+
+    def quasi_newton(carry):
+      q, defect, k = carry
+      q = q - 0.5 * jnp.matmul(q_n, defect, precision=_HIGHEST)
+      return q, gram_defect(q), k + 1
+
+    moved = q_n + step
+    q, defect, k = jax.lax.while_loop(
+        not_done, quasi_newton, (moved, gram_defect(moved), jnp.zeros((), jnp.int32)))
+    converged = jnp.max(jnp.abs(defect)) <= self.tolerance
+    # A diverged iteration is not finite: fall back from the unprojected point.
+    q = jnp.where(jnp.all(jnp.isfinite(q)), q, moved)
+    return StiefelPoint(_polar_where(q, ~converged), ProjectionInfo(k, converged))
+
+  def cotangent(self, point, vector):
+    q = point.matrix
+    sym = jnp.matmul(vector.T, q, precision=_HIGHEST)
+    return vector - 0.5 * jnp.matmul(q, sym + sym.T, precision=_HIGHEST)
+
+  def cotangent_normal(self, key, point):
+    return self.cotangent(point, self.ambient_normal(key, point))
+
+  def zero_momentum(self, param):
+    return jnp.zeros_like(param)
+
+  def load_momentum(self, stored):
+    return tall_view(stored)
+
+  def store_momentum(self, momentum, param):
+    return from_tall_view(momentum, param)
+
+  def a_step(self, point, momentum, h):
+    step = h * momentum
+    new = self.project(point, step)
+    # RATTLE: the momentum takes the same constraint impulse as the position,
+    # (Q_{n+1} - (Q_n + h P)) / h, then is projected onto the new cotangent space.
+    corrected = momentum + (new.matrix - point.matrix - step) / h
+    return new, self.cotangent(new, corrected)

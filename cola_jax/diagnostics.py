@@ -1,0 +1,58 @@
+"""How far parameters are from their constraint manifolds."""
+
+from typing import Any
+
+import jax
+
+from cola_jax.transforms import OverdampedState, UnderdampedState
+
+_COLA_STATES = (OverdampedState, UnderdampedState)
+
+
+def _cola_state(state):
+  found = []
+
+  def collect(node):
+    if isinstance(node, _COLA_STATES):
+      found.append(node)
+      return True
+    return False
+
+  jax.tree.flatten(state, is_leaf=collect)
+  if len(found) != 1:
+    raise ValueError(
+        f"constraint_residuals: expected exactly one cola_od/cola_ud state inside "
+        f"the optimizer state, found {len(found)}.")
+  return found[0]
+
+
+def constraint_residuals(params: Any, state: Any) -> Any:
+  """The constraint residual of every constrained leaf.
+
+  Circle leaves report ``max |theta^2 + xi^2 - r^2| / r^2`` (and any excess of
+  ``|theta|`` over ``r``, relative to ``r``); orthogonal leaves report
+  ``max |Q^T Q - I|``. Unconstrained leaves are ``None``.
+
+  Args:
+    params: the parameters.
+    state: the state of a ``cola_od`` / ``cola_ud`` transform, or of any optax
+      transformation containing exactly one (a chain, ``inject_hyperparams``).
+
+  Returns:
+    A pytree shaped like ``params`` with scalar residuals (``None`` for free
+    leaves).
+
+  Example:
+    >>> residuals = cola.constraint_residuals(params, opt_state)  # doctest: +SKIP
+    >>> max(jax.tree.leaves(residuals))  # doctest: +SKIP
+  """
+  cola_state = _cola_state(state)
+  leaves, treedef = jax.tree.flatten(params)
+  try:
+    auxes = treedef.flatten_up_to(cola_state.constraint_states)
+  except (ValueError, TypeError) as error:
+    raise ValueError(
+        "constraint_residuals: the state's constraint_states do not have the "
+        f"structure of params.\n{error}") from None
+  return treedef.unflatten([
+      None if aux is None else aux.residual(param) for param, aux in zip(leaves, auxes)])

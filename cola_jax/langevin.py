@@ -1,0 +1,106 @@
+r"""The constrained Langevin maps, generic over the constraint manifold.
+
+Each function advances one parameter leaf on its manifold ``M = {g(q) = 0}``;
+``constraint`` supplies the geometry (:class:`cola_jax.constraints.Constraint`).
+Positions ``q`` include slack variables, ``V(q)`` is the loss (its gradient on
+the slacks is zero), ``Pi(q)`` is the orthogonal projection onto the cotangent
+space ``T*_q M``, ``h`` the step size, ``gamma`` the friction and ``tau`` the
+temperature.
+
+Overdamped (Euler-Maruyama, then projection onto ``M``):
+
+.. math::
+  q_{n+1} = \mathrm{proj}_{M}\big(q_n - h \nabla V(q_n) + \sqrt{2 \tau h}\, R_n\big).
+
+Underdamped, split into
+
+.. math::
+  O:\ p \leftarrow \Pi(q)\big(e^{-\gamma h} p + \sqrt{\tau (1 - e^{-2\gamma h})}\, R\big),
+  \quad B:\ p \leftarrow p - h\, \Pi(q) \nabla V(q),
+  \quad A:\ \text{free flight on } M \text{ for time } h,
+
+composed in the order O, B, A. The invariant measure of both dynamics has
+density proportional to ``exp(-V / tau)`` with respect to the surface measure
+of ``M`` (times the Gaussian in ``p`` for the underdamped one).
+
+With ``tau = 0`` and no constraint, :func:`overdamped_step` is gradient descent
+with learning rate ``h`` and :func:`oba_step` is SGD with momentum
+``exp(-gamma h)`` and learning rate ``h**2``, the momentum ``p`` being
+``-h`` times SGD's.
+
+References:
+  Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of
+  Neural Networks*, OPT2020, Sec. 3 and Appendix B.
+  Leimkuhler and Matthews, *Efficient molecular dynamics using geodesic
+  integration and solvent-solute splitting*, Proc. R. Soc. A, 2016.
+"""
+
+from typing import Optional
+
+import jax
+
+from cola_jax.constraints.base import Constraint, Momentum, Point
+
+
+def overdamped_step(
+    constraint: Constraint,
+    point: Point,
+    grad: jax.Array,
+    h,
+    noise_scale=None,
+    key: Optional[jax.Array] = None,
+) -> Point:
+  """One Euler-Maruyama step of size ``h``, projected back onto the manifold.
+
+  ``noise_scale`` is ``sqrt(2 tau h)``; without a ``key`` no noise is drawn.
+  """
+  step = jax.tree.map(lambda force: -h * force, constraint.ambient_gradient(point, grad))
+  if key is not None:
+    step = jax.tree.map(
+        lambda s, r: s + noise_scale * r, step, constraint.ambient_normal(key, point))
+  return constraint.project(point, step)
+
+
+def o_step(
+    constraint: Constraint,
+    point: Point,
+    momentum: Momentum,
+    decay,
+    noise_scale=None,
+    key: Optional[jax.Array] = None,
+) -> Momentum:
+  """Friction and fluctuation: the exact Ornstein-Uhlenbeck flow on ``T*_q M``.
+
+  ``decay`` is ``exp(-gamma h)`` and ``noise_scale`` is
+  ``sqrt(tau (1 - exp(-2 gamma h)))``; without a ``key`` no noise is drawn.
+  """
+  momentum = decay * momentum
+  if key is not None:
+    momentum = momentum + noise_scale * constraint.cotangent_normal(key, point)
+  return momentum
+
+
+def b_step(constraint: Constraint, point: Point, momentum: Momentum, grad: jax.Array, h) -> Momentum:
+  """The kick by the projected force: ``p - h Pi(q) grad V(q)``."""
+  return momentum - h * constraint.cotangent(point, constraint.ambient_gradient(point, grad))
+
+
+def a_step(constraint: Constraint, point: Point, momentum: Momentum, h) -> tuple[Point, Momentum]:
+  """Free flight on the manifold for time ``h`` (exact or RATTLE, per geometry)."""
+  return constraint.a_step(point, momentum, h)
+
+
+def oba_step(
+    constraint: Constraint,
+    point: Point,
+    momentum: Momentum,
+    grad: jax.Array,
+    h,
+    decay,
+    noise_scale=None,
+    key: Optional[jax.Array] = None,
+) -> tuple[Point, Momentum]:
+  """One underdamped step in the paper's order: O, then B, then A."""
+  momentum = o_step(constraint, point, momentum, decay, noise_scale, key)
+  momentum = b_step(constraint, point, momentum, grad, h)
+  return a_step(constraint, point, momentum, h)

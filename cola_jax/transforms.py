@@ -1,0 +1,270 @@
+r"""The CoLA methods as optax gradient transformations.
+
+``cola_od`` (overdamped) and ``cola_ud`` (underdamped) apply the constrained
+Langevin maps of :mod:`cola_jax.langevin` leaf by leaf, each leaf on the
+manifold of its constraint (:class:`~cola_jax.Circle`,
+:class:`~cola_jax.Orthogonal`, or none). ``update(grads, state, params)``
+returns ``updates`` such that ``optax.apply_updates(params, updates)`` is the
+new point on the manifold.
+
+A constrained transform must be the last link of an ``optax.chain``: a
+transformation after it would move the parameters off the manifold.
+Transformations before it (gradient clipping, for instance) are fine.
+
+Randomness: the PRNG key lives in the optimizer state, is split once per step,
+and gives one independent key per leaf, so runs are reproducible under ``jit``
+and ``vmap`` and inside Flax's ``TrainState``.
+"""
+
+import math
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from cola_jax import langevin
+from cola_jax._numerics import concrete_float
+from cola_jax._tree import ConstraintSpec, LeafLayout
+
+
+class OverdampedState(NamedTuple):
+  """State of :func:`cola_od`."""
+
+  count: jax.Array  # steps taken, int32
+  key: Optional[jax.Array]  # PRNG key, None when no noise is ever drawn
+  constraint_states: Any  # per leaf: auxiliary state of its constraint (None if free)
+
+
+class UnderdampedState(NamedTuple):
+  """State of :func:`cola_ud`."""
+
+  count: jax.Array  # steps taken, int32
+  key: Optional[jax.Array]  # PRNG key, None when no noise is ever drawn
+  constraint_states: Any  # per leaf: auxiliary state of its constraint (None if free)
+  momentum: Any  # per leaf, in cotangent coordinates, shaped like the leaf
+
+
+def _check_hyperparameters(owner, learning_rate, temperature, key, friction=None) -> bool:
+  """Validates what is known now; returns whether noise is drawn."""
+  h = concrete_float(learning_rate)
+  if h is not None and not h > 0:
+    raise ValueError(f"{owner}: learning_rate must be positive, got {learning_rate!r}.")
+  if friction is not None:
+    if callable(friction):
+      raise TypeError(f"{owner}: friction must be a number, not a schedule.")
+    gamma = concrete_float(friction)
+    if gamma is not None and not gamma >= 0:
+      raise ValueError(f"{owner}: friction must be non-negative, got {friction!r}.")
+  tau = concrete_float(temperature)
+  if tau is not None and not tau >= 0:
+    raise ValueError(f"{owner}: temperature must be non-negative, got {temperature!r}.")
+  if key is None:
+    if callable(temperature) or (tau is not None and tau != 0):
+      raise ValueError(
+          f"{owner}: temperature {temperature!r} needs a PRNG key to draw its "
+          "noise: pass key=jax.random.key(seed).")
+    return False
+  if not _is_prng_key(key):
+    raise TypeError(
+        f"{owner}: key must be a JAX PRNG key such as jax.random.key(seed), "
+        f"got {key!r}.")
+  exact_zero = isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature == 0
+  return not exact_zero
+
+
+def _is_prng_key(key) -> bool:
+  dtype = getattr(key, "dtype", None)
+  if dtype is None:
+    return False
+  if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+    return True
+  return dtype == jnp.uint32 and getattr(key, "shape", ())[-1:] == (2,)
+
+
+def _at(value, count):
+  """A hyperparameter at step ``count``: schedules are called, numbers pass."""
+  return value(count) if callable(value) else value
+
+
+def _step_keys(key, noisy: bool, n_leaves: int):
+  """(next key, one key per leaf) or (key, Nones) when no noise is drawn."""
+  if not noisy:
+    return key, [None] * n_leaves
+  key, step_key = jax.random.split(key)
+  return key, list(jax.random.split(step_key, n_leaves))
+
+
+def _updates(layout: LeafLayout, new_params: list) -> Any:
+  return layout.unflatten([
+      (new - old).astype(old.dtype) for new, old in zip(new_params, layout.params)])
+
+
+def cola_od(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    constraints: ConstraintSpec = None,
+    temperature: optax.ScalarOrSchedule = 0.0,
+    key: Optional[jax.Array] = None,
+) -> optax.GradientTransformation:
+  r"""Constrained overdamped Langevin dynamics (CoLA-od).
+
+  Each leaf takes an Euler-Maruyama step and is projected back onto the
+  manifold of its constraint (slack variables included):
+
+  .. math::
+    q_{n+1} = \mathrm{proj}_M\big(q_n - h \nabla V(q_n) + \sqrt{2 \tau h}\, R_n\big),
+    \qquad R_n \sim N(0, I).
+
+  Unconstrained leaves take plain (noisy) gradient steps; with ``tau = 0`` and
+  no constraints this is ``optax.sgd(learning_rate)``. For ``tau > 0`` the
+  invariant measure has density ``exp(-V / tau)`` with respect to the surface
+  measure of the manifold.
+
+  Args:
+    learning_rate: the step size ``h > 0``, a number or an optax schedule.
+    constraints: ``None`` (no constraint), a :class:`~cola_jax.Constraint` for
+      every leaf, a pytree prefix of the parameters with ``Constraint`` or
+      ``None`` leaves, or a callable mapping the parameters to such a pytree.
+    temperature: ``tau >= 0``, a number or an optax schedule. Exactly ``0``
+      draws no noise at all.
+    key: a JAX PRNG key, required unless ``temperature`` is exactly 0.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose ``update`` needs ``params``. It
+    must be the last link of a chain (what follows would leave the manifold).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, cola_jax as cola
+    >>> params = {'w': jnp.eye(3), 'b': jnp.zeros(3)}
+    >>> tx = cola.cola_od(0.1, constraints={'w': cola.Orthogonal(), 'b': None})
+    >>> state = tx.init(params)
+    >>> grads = jax.tree.map(jnp.ones_like, params)
+    >>> updates, state = tx.update(grads, state, params)
+    >>> params = optax.apply_updates(params, updates)
+
+  References:
+    Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of
+    Neural Networks*, OPT2020 (Sec. 3, Appendix B).
+  """
+  owner = "cola_od"
+  noisy = _check_hyperparameters(owner, learning_rate, temperature, key)
+
+  def init_fn(params):
+    layout = LeafLayout(owner, constraints, params)
+    auxes = [c.init(p) for c, p in zip(layout.constraints, layout.params)]
+    return OverdampedState(
+        count=jnp.zeros([], jnp.int32), key=key, constraint_states=layout.unflatten(auxes))
+
+  def update_fn(grads, state, params=None):
+    layout = LeafLayout(owner, constraints, params)
+    grad_leaves = layout.flatten(grads, "grads")
+    auxes = layout.flatten(state.constraint_states, "state.constraint_states")
+    layout.check_aux(auxes)
+    h = _at(learning_rate, state.count)
+    noise_scale = jnp.sqrt(2 * _at(temperature, state.count) * h) if noisy else None
+    next_key, leaf_keys = _step_keys(state.key, noisy, len(layout.params))
+
+    new_params, new_auxes = [], []
+    for c, param, grad, aux, leaf_key in zip(
+        layout.constraints, layout.params, grad_leaves, auxes, leaf_keys):
+      point = c.point(param, aux)
+      point = langevin.overdamped_step(c, point, grad, h, noise_scale, leaf_key)
+      new_param, new_aux = c.unpack(point, param)
+      new_params.append(new_param)
+      new_auxes.append(new_aux)
+    return _updates(layout, new_params), OverdampedState(
+        count=optax.safe_increment(state.count), key=next_key,
+        constraint_states=layout.unflatten(new_auxes))
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def cola_ud(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    friction: float,
+    constraints: ConstraintSpec = None,
+    temperature: optax.ScalarOrSchedule = 0.0,
+    key: Optional[jax.Array] = None,
+) -> optax.GradientTransformation:
+  r"""Constrained underdamped Langevin dynamics (CoLA-ud), OBA splitting.
+
+  Positions ``q`` (with slack variables) and momenta ``p`` in the cotangent
+  space of the manifold advance by
+
+  .. math::
+    O:\ p \leftarrow \Pi_q\big(e^{-\gamma h} p + \sqrt{\tau (1 - e^{-2\gamma h})}\, R\big),\quad
+    B:\ p \leftarrow p - h\, \Pi_q \nabla V(q),\quad
+    A:\ (q, p) \leftarrow \text{geodesic flow for time } h,
+
+  where the A step is exact for circle constraints and RATTLE with the
+  quasi-Newton projection for orthogonality constraints. Momenta start at
+  zero. With ``tau = 0`` and no constraints this is exactly
+  ``optax.sgd(h**2, momentum=exp(-gamma h))`` (see
+  :func:`~cola_jax.sgd_momentum_to_langevin`).
+
+  Args:
+    learning_rate: the step size ``h > 0``, a number or an optax schedule.
+    friction: ``gamma >= 0``.
+    constraints: as for :func:`cola_od`.
+    temperature: ``tau >= 0``, a number or an optax schedule. Exactly ``0``
+      draws no noise at all.
+    key: a JAX PRNG key, required unless ``temperature`` is exactly 0.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose ``update`` needs ``params``. It
+    must be the last link of a chain.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, cola_jax as cola
+    >>> params = {'w': jnp.full((3, 3), 0.05), 'b': jnp.zeros(3)}
+    >>> tx = cola.cola_ud(0.3, friction=1.0,
+    ...                   constraints={'w': cola.Circle(0.1), 'b': None},
+    ...                   temperature=1e-4, key=jax.random.key(0))
+    >>> state = tx.init(params)
+    >>> grads = jax.tree.map(jnp.ones_like, params)
+    >>> updates, state = tx.update(grads, state, params)
+    >>> params = optax.apply_updates(params, updates)
+
+  References:
+    Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of
+    Neural Networks*, OPT2020 (Sec. 3, Appendix B).
+  """
+  owner = "cola_ud"
+  noisy = _check_hyperparameters(owner, learning_rate, temperature, key, friction)
+
+  def init_fn(params):
+    layout = LeafLayout(owner, constraints, params)
+    auxes = [c.init(p) for c, p in zip(layout.constraints, layout.params)]
+    momenta = [c.zero_momentum(p) for c, p in zip(layout.constraints, layout.params)]
+    return UnderdampedState(
+        count=jnp.zeros([], jnp.int32), key=key,
+        constraint_states=layout.unflatten(auxes), momentum=layout.unflatten(momenta))
+
+  def update_fn(grads, state, params=None):
+    layout = LeafLayout(owner, constraints, params)
+    grad_leaves = layout.flatten(grads, "grads")
+    auxes = layout.flatten(state.constraint_states, "state.constraint_states")
+    layout.check_aux(auxes)
+    momenta = layout.flatten(state.momentum, "state.momentum")
+    h = _at(learning_rate, state.count)
+    decay = jnp.exp(-friction * h)
+    noise_scale = jnp.sqrt(_at(temperature, state.count) * (1 - decay * decay)) if noisy else None
+    next_key, leaf_keys = _step_keys(state.key, noisy, len(layout.params))
+
+    new_params, new_auxes, new_momenta = [], [], []
+    for c, param, grad, aux, stored, leaf_key in zip(
+        layout.constraints, layout.params, grad_leaves, auxes, momenta, leaf_keys):
+      point = c.point(param, aux)
+      point, momentum = langevin.oba_step(
+          c, point, c.load_momentum(stored), grad, h, decay, noise_scale, leaf_key)
+      new_param, new_aux = c.unpack(point, param)
+      new_params.append(new_param)
+      new_auxes.append(new_aux)
+      new_momenta.append(c.store_momentum(momentum, param).astype(stored.dtype))
+    return _updates(layout, new_params), UnderdampedState(
+        count=optax.safe_increment(state.count), key=next_key,
+        constraint_states=layout.unflatten(new_auxes), momentum=layout.unflatten(new_momenta))
+
+  return optax.GradientTransformation(init_fn, update_fn)
