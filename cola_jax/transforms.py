@@ -87,6 +87,15 @@ def _at(value, count):
   return value(count) if callable(value) else value
 
 
+def _temperature_at(temperature, count):
+  """The temperature at ``count``; a schedule's rounding below zero reads as 0.
+
+  (``optax.linear_schedule(1e-3, 0.0, ...)`` ends at about -1.5e-11 in float32,
+  whose square root would be NaN.)
+  """
+  return jnp.maximum(_at(temperature, count), 0.0)
+
+
 def _step_keys(key, noisy: bool, n_leaves: int):
   """(next key, one key per leaf) or (key, Nones) when no noise is drawn."""
   if not noisy:
@@ -162,7 +171,7 @@ def cola_od(
     auxes = layout.flatten(state.constraint_states, "state.constraint_states")
     layout.check_aux(auxes)
     h = _at(learning_rate, state.count)
-    noise_scale = jnp.sqrt(2 * _at(temperature, state.count) * h) if noisy else None
+    noise_scale = jnp.sqrt(2 * _temperature_at(temperature, state.count) * h) if noisy else None
     next_key, leaf_keys = _step_keys(state.key, noisy, len(layout.params))
 
     new_params, new_auxes = [], []
@@ -250,7 +259,8 @@ def cola_ud(
     momenta = layout.flatten(state.momentum, "state.momentum")
     h = _at(learning_rate, state.count)
     decay = jnp.exp(-friction * h)
-    noise_scale = jnp.sqrt(_at(temperature, state.count) * (1 - decay * decay)) if noisy else None
+    noise_scale = (
+        jnp.sqrt(_temperature_at(temperature, state.count) * (1 - decay * decay)) if noisy else None)
     next_key, leaf_keys = _step_keys(state.key, noisy, len(layout.params))
 
     new_params, new_auxes, new_momenta = [], [], []

@@ -90,7 +90,9 @@ class Circle(Constraint):
 
   def unpack(self, point, param):
     theta, xi = point
-    return theta, CircleState(slack=xi, radius=jnp.asarray(self.radius, theta.dtype))
+    r = jnp.asarray(self.radius, theta.dtype)
+    # Rounding in the normalisation can leave |theta| one ulp above r.
+    return jnp.clip(theta, -r, r), CircleState(slack=xi, radius=r)
 
   def ambient_gradient(self, point, grad):
     theta, _ = point

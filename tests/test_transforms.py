@@ -1,0 +1,311 @@
+"""The optax transforms: equivalences, keys, jit/vmap/inject_hyperparams, errors."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import cola_jax as cola
+
+
+def run(tx, params, loss, steps, *, jit=True):
+  """Trains for ``steps`` with ``tx``; returns (params, state)."""
+
+  def step(carry, i):
+    p, s = carry
+    grads = jax.grad(loss)(p, i)
+    updates, s = tx.update(grads, s, p)
+    return (optax.apply_updates(p, updates), s), None
+
+  body = jax.jit(lambda c: jax.lax.scan(step, c, jnp.arange(steps))[0]) if jit else None
+  state = tx.init(params)
+  return body((params, state))
+
+
+def assert_trees_close(a, b, rtol, atol):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+# Equivalences with optax at temperature 0 (NOTES.md, erratum 4).
+
+
+def test_overdamped_without_constraints_is_sgd(mlp_problem):
+  params, loss = mlp_problem
+  ours, _ = run(cola.cola_od(0.05), params, loss, 100)
+  reference, _ = run(optax.sgd(0.05), params, loss, 100)
+  assert_trees_close(ours, reference, rtol=1e-6, atol=1e-7)
+
+
+def test_underdamped_without_constraints_is_sgd_momentum(mlp_problem):
+  params, loss = mlp_problem
+  h, gamma = 0.3, 1.0
+  ours, _ = run(cola.cola_ud(h, friction=gamma), params, loss, 100)
+  reference, _ = run(optax.sgd(h**2, momentum=math.exp(-gamma * h)), params, loss, 100)
+  assert_trees_close(ours, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_schedules_are_read_before_the_count_increments(mlp_problem):
+  params, loss = mlp_problem
+  schedule = optax.piecewise_constant_schedule(0.1, {3: 0.1, 7: 0.1})
+  ours, state = run(cola.cola_od(schedule), params, loss, 10)
+  reference, _ = run(optax.sgd(schedule), params, loss, 10)
+  assert_trees_close(ours, reference, rtol=1e-6, atol=1e-7)
+  assert int(state.count) == 10
+
+
+def test_sgd_momentum_mapping_round_trips():
+  h, gamma = cola.sgd_momentum_to_langevin(0.1, 0.9)
+  assert h == pytest.approx(math.sqrt(0.1))
+  assert gamma == pytest.approx(-math.log(0.9) / math.sqrt(0.1))
+  lr, momentum = cola.langevin_to_sgd_momentum(h, gamma)
+  assert lr == pytest.approx(0.1) and momentum == pytest.approx(0.9)
+  assert cola.langevin_to_sgd_momentum(0.3, 1.0) == pytest.approx((0.09, math.exp(-0.3)))
+  with pytest.raises(ValueError, match="momentum"):
+    cola.sgd_momentum_to_langevin(0.1, 0.0)
+
+
+def test_mapped_hyperparameters_reproduce_sgd_momentum(mlp_problem):
+  params, loss = mlp_problem
+  h, gamma = cola.sgd_momentum_to_langevin(0.05, 0.9)
+  ours, _ = run(cola.cola_ud(h, friction=gamma), params, loss, 100)
+  reference, _ = run(optax.sgd(0.05, momentum=0.9), params, loss, 100)
+  assert_trees_close(ours, reference, rtol=1e-5, atol=1e-6)
+
+
+# Keys and determinism.
+
+NOISY = {
+    "c_cola_od": lambda key: cola.c_cola_od(0.05, radius=0.5, temperature=1e-3, key=key),
+    "c_cola_ud": lambda key: cola.c_cola_ud(0.3, friction=1.0, radius=0.5, temperature=1e-3, key=key),
+    "o_cola_od": lambda key: cola.o_cola_od(0.05, temperature=1e-4, key=key),
+    "o_cola_ud": lambda key: cola.o_cola_ud(0.1, friction=1.0, temperature=1e-4, key=key),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NOISY))
+def test_same_key_is_bit_identical_and_other_keys_differ(name, mlp_problem):
+  params, loss = mlp_problem
+  a, _ = run(NOISY[name](jax.random.key(3)), params, loss, 20)
+  b, _ = run(NOISY[name](jax.random.key(3)), params, loss, 20)
+  c, _ = run(NOISY[name](jax.random.key(4)), params, loss, 20)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  differences = [float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(c))]
+  assert min(differences) > 0
+
+
+def test_raw_uint32_keys_work(mlp_problem):
+  params, loss = mlp_problem
+  a, _ = run(NOISY["c_cola_ud"](jax.random.PRNGKey(3)), params, loss, 5)
+  b, _ = run(NOISY["c_cola_ud"](jax.random.wrap_key_data(jax.random.PRNGKey(3))), params, loss, 5)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_noise_is_independent_across_leaves():
+  params = {"a": jnp.zeros(2000), "b": jnp.zeros(2000)}
+  tx = cola.cola_od(0.1, temperature=1.0, key=jax.random.key(0))
+  updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+  a, b = np.asarray(updates["a"]), np.asarray(updates["b"])
+  assert abs(np.corrcoef(a, b)[0, 1]) < 0.1  # 0.1 is > 4 standard errors for n = 2000
+  np.testing.assert_allclose(a.std(), math.sqrt(2 * 0.1), rtol=0.1)
+
+
+def test_zero_temperature_draws_no_noise_and_needs_no_key(mlp_problem):
+  params, loss = mlp_problem
+  with_key, state = run(cola.c_cola_ud(0.3, friction=1.0, radius=0.5, key=jax.random.key(0)), params, loss, 10)
+  without, _ = run(cola.c_cola_ud(0.3, friction=1.0, radius=0.5), params, loss, 10)
+  for x, y in zip(jax.tree.leaves(with_key), jax.tree.leaves(without)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  np.testing.assert_array_equal(jax.random.key_data(state.key), jax.random.key_data(jax.random.key(0)))
+
+
+# jit, vmap, inject_hyperparams.
+
+
+def test_jit_compiles_once(mlp_problem):
+  params, loss = mlp_problem
+  tx = NOISY["o_cola_ud"](jax.random.key(0))
+  traces = []
+
+  @jax.jit
+  def step(p, s):
+    traces.append(1)
+    updates, s = tx.update(jax.grad(loss)(p, 0), s, p)
+    return optax.apply_updates(p, updates), s
+
+  p, s = params, tx.init(params)
+  for _ in range(3):
+    p, s = step(p, s)
+  assert len(traces) == 1
+
+
+@pytest.mark.parametrize("name", sorted(NOISY))
+def test_vmap_over_keys_runs_independent_seeds(name, mlp_problem):
+  params, loss = mlp_problem
+  keys = jax.random.split(jax.random.key(7), 3)
+  batched, _ = jax.vmap(lambda k: run(NOISY[name](k), params, loss, 10))(keys)
+  for i in range(3):
+    single, _ = run(NOISY[name](keys[i]), params, loss, 10)
+    assert_trees_close(jax.tree.map(lambda x: x[i], batched), single, rtol=1e-5, atol=1e-6)
+  assert float(jnp.max(jnp.abs(batched["layer1"]["w"][0] - batched["layer1"]["w"][1]))) > 0
+
+
+def test_inject_hyperparams_matches_the_plain_transform(mlp_problem):
+  params, loss = mlp_problem
+  constraints = {"layer0": {"w": cola.Circle(0.5), "b": None}, "layer1": {"w": cola.Orthogonal(), "b": None}, "layer2": None}
+  key = jax.random.key(5)
+  injected = optax.inject_hyperparams(cola.cola_ud)(
+      learning_rate=0.3, friction=1.0, temperature=1e-4, key=key, constraints=constraints)
+  plain = cola.cola_ud(0.3, friction=1.0, temperature=1e-4, key=key, constraints=constraints)
+  a, state = run(injected, params, loss, 20)
+  b, _ = run(plain, params, loss, 20)
+  assert_trees_close(a, b, rtol=1e-5, atol=1e-6)
+  assert float(cola.constraint_residuals(a, state)["layer1"]["w"]) < 1e-5
+
+
+def test_inject_hyperparams_schedule_anneals_temperature_to_zero(mlp_problem):
+  params, loss = mlp_problem
+  schedule = optax.linear_schedule(1e-3, 0.0, transition_steps=5)
+  tx = optax.inject_hyperparams(cola.c_cola_od)(
+      learning_rate=0.05, radius=0.5, temperature=schedule, key=jax.random.key(0))
+  annealed, state = run(tx, params, loss, 10)
+  # optax's linear schedule ends a rounding error below zero (-1.5e-11 in float32);
+  # the transform reads it as 0 instead of taking the square root of a negative.
+  assert abs(float(state.hyperparams["temperature"])) < 1e-9
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(annealed))
+  # After annealing, one more step equals a noiseless step from the same point.
+  grads = jax.grad(loss)(annealed, 10)
+  noisy_updates, _ = tx.update(grads, state, annealed)
+  clean = cola.c_cola_od(0.05, radius=0.5)
+  clean_updates, _ = clean.update(grads, state.inner_state._replace(key=None), annealed)
+  assert_trees_close(noisy_updates, clean_updates, rtol=1e-6, atol=1e-7)
+
+
+def test_inject_hyperparams_without_key_draws_no_noise(mlp_problem):
+  params, loss = mlp_problem
+  tx = optax.inject_hyperparams(cola.c_cola_ud)(learning_rate=0.3, friction=1.0, radius=0.5)
+  a, _ = run(tx, params, loss, 10)
+  b, _ = run(cola.c_cola_ud(0.3, friction=1.0, radius=0.5), params, loss, 10)
+  assert_trees_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+# Off-manifold starts (design decision: the first update projects).
+
+
+def test_circle_weights_outside_the_radius_are_clipped_by_the_first_update():
+  params = {"w": jnp.array([[-3.0, -0.05, 0.0, 0.02, 0.5]])}
+  tx = cola.c_cola_ud(0.3, friction=1.0, radius=0.1)
+  state = tx.init(params)
+  updates, state = tx.update({"w": jnp.zeros((1, 5))}, state, params)
+  new = optax.apply_updates(params, updates)
+  np.testing.assert_allclose(new["w"], [[-0.1, -0.05, 0.0, 0.02, 0.1]], atol=1e-7)
+  # params + updates rounds at the scale of the old value (3.0): one float32 ulp of it.
+  ulp_of_old = float(np.spacing(np.float32(3.0)))
+  assert float(cola.constraint_residuals(new, state)["w"]) <= 2 * ulp_of_old / 0.1
+  # From then on old and new values are close, the subtraction is exact, and the
+  # constraint holds to float32 rounding.
+  updates, state = tx.update({"w": jnp.zeros((1, 5))}, state, new)
+  new = optax.apply_updates(new, updates)
+  assert float(cola.constraint_residuals(new, state)["w"]) < 1e-6
+  assert jnp.max(jnp.abs(new["w"])) <= jnp.float32(0.1)
+
+
+@pytest.mark.parametrize("shape", [(6, 3), (3, 6), (3, 3, 2, 4)])
+def test_non_orthonormal_kernels_become_their_polar_factor(shape):
+  w = jax.random.normal(jax.random.key(0), shape)
+  params = {"w": w}
+  tx = cola.o_cola_ud(0.1, friction=1.0)
+  updates, state = tx.update({"w": jnp.zeros(shape)}, tx.init(params), params)
+  new = np.asarray(optax.apply_updates(params, updates)["w"], np.float64)
+  matrix = np.asarray(w, np.float64).reshape(-1, shape[-1])
+  u, _, vt = np.linalg.svd(matrix, full_matrices=False)
+  np.testing.assert_allclose(new.reshape(matrix.shape), u @ vt, atol=2e-6)
+  assert float(cola.constraint_residuals({"w": new}, state)["w"]) < 1e-5
+
+
+# Clear errors.
+
+
+def test_positive_temperature_without_key_is_an_error():
+  with pytest.raises(ValueError, match="key"):
+    cola.cola_od(0.1, temperature=1e-3)
+  with pytest.raises(ValueError, match="key"):
+    cola.c_cola_ud(0.1, friction=1.0, radius=0.1, temperature=optax.constant_schedule(1e-3))
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.1])
+def test_non_positive_learning_rate_is_an_error(bad):
+  with pytest.raises(ValueError, match="learning_rate"):
+    cola.cola_ud(bad, friction=1.0)
+
+
+def test_negative_friction_and_temperature_are_errors():
+  with pytest.raises(ValueError, match="friction"):
+    cola.cola_ud(0.1, friction=-1.0)
+  with pytest.raises(ValueError, match="temperature"):
+    cola.cola_od(0.1, temperature=-1.0, key=jax.random.key(0))
+
+
+def test_bad_key_is_an_error():
+  with pytest.raises(TypeError, match="key"):
+    cola.cola_od(0.1, temperature=1.0, key=42)
+
+
+@pytest.mark.parametrize("radius", [0.0, -1.0])
+def test_non_positive_radius_is_an_error_naming_the_leaf(radius, mlp_problem):
+  params, _ = mlp_problem
+  with pytest.raises(ValueError, match="radius"):
+    cola.Circle(radius)
+  tx = cola.c_cola_od(0.1, radius={"layer0": 0.1, "layer1": radius, "layer2": 0.1})
+  with pytest.raises(ValueError, match=r"\['layer1'\]\['w'\]"):
+    tx.init(params)
+
+
+def test_orthogonal_constraint_on_a_vector_is_an_error_naming_the_leaf(mlp_problem):
+  params, _ = mlp_problem
+  tx = cola.o_cola_od(0.1, mask=lambda p: jax.tree.map(lambda _: True, p))
+  with pytest.raises(ValueError, match=r"\['layer0'\]\['b'\].*ndim >= 2"):
+    tx.init(params)
+
+
+def test_missing_params_is_an_error(mlp_problem):
+  params, _ = mlp_problem
+  tx = cola.c_cola_ud(0.1, friction=1.0, radius=0.1)
+  with pytest.raises(ValueError, match="params"):
+    tx.update(params, tx.init(params))
+
+
+def test_state_of_other_parameters_is_an_error(mlp_problem):
+  params, _ = mlp_problem
+  tx = cola.c_cola_ud(0.1, friction=1.0, radius=0.1)
+  state = tx.init({"other": jnp.zeros((2, 2))})
+  with pytest.raises(ValueError, match="structure of the parameters"):
+    tx.update(params, state, params)
+
+
+def test_state_of_other_constraints_is_an_error(mlp_problem):
+  params, _ = mlp_problem
+  state = cola.o_cola_ud(0.1, friction=1.0).init(params)
+  tx = cola.c_cola_ud(0.1, friction=1.0, radius=0.1)
+  with pytest.raises(ValueError, match=r"\['layer0'\]\['w'\].*does not match its constraint"):
+    tx.update(params, state, params)
+
+
+def test_constraint_that_is_not_a_constraint_is_an_error(mlp_problem):
+  params, _ = mlp_problem
+  with pytest.raises(TypeError, match=r"\['layer0'\]\['w'\]"):
+    cola.cola_od(0.1, constraints={"layer0": {"w": 0.1, "b": None}, "layer1": None, "layer2": None}).init(params)
+
+
+def test_residuals_are_found_inside_a_chain(mlp_problem):
+  params, loss = mlp_problem
+  tx = optax.chain(optax.clip_by_global_norm(1.0), cola.c_cola_ud(0.3, friction=1.0, radius=0.2))
+  new, state = run(tx, params, loss, 50)
+  residuals = cola.constraint_residuals(new, state)
+  assert residuals["layer0"]["b"] is None
+  assert all(float(r) <= 1e-5 for r in jax.tree.leaves(residuals))
