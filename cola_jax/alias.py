@@ -35,41 +35,36 @@ def _per_leaf(spec, params, what: str, owner: str):
     raise ValueError(f"{owner}: {what} must be a pytree prefix of the parameters.\n{error}") from None
 
 
-def _masked_constraints(owner: str, mask: MaskOrFn, make: Callable[[Any, str], Any]):
-  """A callable params -> tree of constraints: ``make(leaf_spec, path)`` where masked in."""
+def _constraints_per_leaf(owner: str, mask: MaskOrFn, make: Callable[[Any, str], Any], spec=True):
+  """A callable ``params -> tree of constraints``.
+
+  A leaf gets ``make(leaf_spec, path)`` where ``mask`` is true and the leaf's
+  entry of ``spec`` (a prefix pytree or a callable) is not None; else None.
+  """
 
   def constraints(params):
     masks = _per_leaf(_default_mask if mask is None else mask, params, "mask", owner)
+    specs = _per_leaf(spec, params, "radius", owner)
 
-    def assign(path, masked_in, leaf):
-      if masked_in is None or not masked_in:
+    def assign(path, masked_in, leaf_spec, _):
+      if masked_in is None or not masked_in or leaf_spec is None:
         return None
-      return make(leaf, jax.tree_util.keystr(path))
+      return make(leaf_spec, jax.tree_util.keystr(path))
 
-    return jax.tree_util.tree_map_with_path(assign, masks, params, is_leaf=lambda x: x is None)
+    return jax.tree_util.tree_map_with_path(
+        assign, masks, specs, params, is_leaf=lambda x: x is None)
 
   return constraints
 
 
 def _circles(owner: str, radius: RadiusSpec, mask: MaskOrFn):
-  def constraints(params):
-    radii = _per_leaf(radius, params, "radius", owner)
-    radii_leaves = dict(zip(
-        [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]],
-        jax.tree.structure(params).flatten_up_to(radii)))
+  def make(r, path):
+    try:
+      return Circle(r)
+    except ValueError as error:
+      raise ValueError(f"{owner}: the radius for the leaf at {path}: {error}") from None
 
-    def make(leaf, path):
-      r = radii_leaves[path]
-      if r is None:
-        return None
-      try:
-        return Circle(r)
-      except ValueError as error:
-        raise ValueError(f"{owner}: the radius for the leaf at {path}: {error}") from None
-
-    return _masked_constraints(owner, mask, make)(params)
-
-  return constraints
+  return _constraints_per_leaf(owner, mask, make, spec=radius)
 
 
 def c_cola_od(
@@ -157,7 +152,7 @@ def o_cola_od(
     :func:`cola_jax.cola_od` with :class:`cola_jax.Orthogonal` constraints.
   """
   orthogonal = Orthogonal(tolerance=tolerance, max_iterations=max_iterations)
-  return cola_od(learning_rate, constraints=_masked_constraints("o_cola_od", mask, lambda *_: orthogonal),
+  return cola_od(learning_rate, constraints=_constraints_per_leaf("o_cola_od", mask, lambda *_: orthogonal),
                  temperature=temperature, key=key)
 
 
@@ -187,7 +182,7 @@ def o_cola_ud(
   """
   orthogonal = Orthogonal(tolerance=tolerance, max_iterations=max_iterations)
   return cola_ud(learning_rate, friction=friction,
-                 constraints=_masked_constraints("o_cola_ud", mask, lambda *_: orthogonal),
+                 constraints=_constraints_per_leaf("o_cola_ud", mask, lambda *_: orthogonal),
                  temperature=temperature, key=key)
 
 

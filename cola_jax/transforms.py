@@ -16,7 +16,6 @@ and gives one independent key per leaf, so runs are reproducible under ``jit``
 and ``vmap`` and inside Flax's ``TrainState``.
 """
 
-import math
 from typing import Any, NamedTuple, Optional
 
 import jax

@@ -309,3 +309,21 @@ def test_residuals_are_found_inside_a_chain(mlp_problem):
   residuals = cola.constraint_residuals(new, state)
   assert residuals["layer0"]["b"] is None
   assert all(float(r) <= 1e-5 for r in jax.tree.leaves(residuals))
+
+
+def test_per_layer_radii_none_frees_a_layer_and_callables_work(mlp_problem):
+  params, loss = mlp_problem
+  radii = {"layer0": 0.05, "layer1": 0.1, "layer2": None}
+  new, state = run(cola.c_cola_ud(0.3, friction=1.0, radius=radii), params, loss, 30)
+  assert float(jnp.max(jnp.abs(new["layer0"]["w"]))) <= 0.05 + 1e-9
+  assert float(jnp.max(jnp.abs(new["layer1"]["w"]))) <= 0.1 + 1e-9
+  assert state.constraint_states["layer2"]["w"] is None
+  assert state.constraint_states["layer0"]["b"] is None  # biases stay free by default
+  by_callable, _ = run(cola.c_cola_ud(0.3, friction=1.0, radius=lambda p: radii), params, loss, 30)
+  for x, y in zip(jax.tree.leaves(new), jax.tree.leaves(by_callable)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  masked, state = run(
+      cola.c_cola_od(0.1, radius=0.1, mask={"layer0": True, "layer1": False, "layer2": False}),
+      params, loss, 5)
+  assert state.constraint_states["layer1"]["w"] is None
+  assert state.constraint_states["layer0"]["b"] is not None  # the mask includes layer0's bias
