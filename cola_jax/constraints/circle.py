@@ -28,7 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from cola_jax._numerics import concrete_float, sincos
+from cola_jax._numerics import concrete_float, inverse_sqrt, sincos
 from cola_jax.constraints.base import Constraint
 
 
@@ -80,12 +80,21 @@ class Circle(Constraint):
     return self._onto_circle(jnp.clip(param, -r, r), aux.slack)
 
   def _onto_circle(self, theta, xi):
-    """Radial projection ``r (theta, xi) / |(theta, xi)|``; ``(0, r)`` for the origin."""
+    """Radial projection ``r (theta, xi) / |(theta, xi)|``; ``(0, r)`` at the origin.
+
+    Computed with multiplications only (:func:`~cola_jax._numerics.inverse_sqrt`)
+    rather than ``sqrt`` and a division, which XLA's CPU backend writes to an
+    array of their own and reads back in every consumer. Pairs with
+    ``|(theta, xi)| / r`` below ``sqrt`` of the smallest normal float (about
+    ``1e-19`` in float32), where the square is subnormal (flushed to zero on
+    CPU anyway), count as the origin.
+    """
     r = jnp.asarray(self.radius, theta.dtype)
-    norm_sq = theta * theta + xi * xi
-    degenerate = norm_sq == 0
+    z = (theta * theta + xi * xi) * (1 / (r * r))  # |(theta, xi)|^2 / r^2
+    degenerate = z < jnp.finfo(theta.dtype).tiny
     xi = jnp.where(degenerate, r, xi)
-    scale = r / jnp.sqrt(jnp.where(degenerate, r * r, norm_sq))
+    theta = jnp.where(degenerate, jnp.zeros_like(theta), theta)
+    scale = inverse_sqrt(jnp.where(degenerate, jnp.ones_like(z), z))
     return theta * scale, xi * scale
 
   def unpack(self, point, param):
@@ -109,7 +118,7 @@ class Circle(Constraint):
   def cotangent(self, point, vector):
     theta, xi = point
     v_theta, v_xi = vector
-    return (v_theta * xi - v_xi * theta) / self.radius
+    return (v_theta * xi - v_xi * theta) * (1 / jnp.asarray(self.radius, theta.dtype))
 
   def cotangent_normal(self, key, point):
     theta, _ = point
@@ -126,5 +135,5 @@ class Circle(Constraint):
 
   def a_step(self, point, momentum, h):
     theta, xi = point
-    sin, cos = sincos(momentum * (h / self.radius))
+    sin, cos = sincos(momentum * (h * (1 / jnp.asarray(self.radius, momentum.dtype))))
     return (cos * theta + sin * xi, cos * xi - sin * theta), momentum

@@ -1,0 +1,451 @@
+#!/usr/bin/env python
+"""Step overhead of the four CoLA methods against plain SGD and SGD with momentum.
+
+For each model and method this measures, in one process and interleaved with
+its baseline:
+
+* ``update``: the optimizer alone, ``tx.update`` + ``optax.apply_updates`` under
+  one ``jit`` with fixed gradients;
+* ``step``: the full training step, loss + gradient + update + apply, jitted.
+
+Overdamped methods (``c_cola_od``, ``o_cola_od``) are compared with
+``optax.sgd(h)``; underdamped ones (``c_cola_ud``, ``o_cola_ud``) with the
+SGD-momentum they reduce to without constraints and noise,
+``optax.sgd(h**2, momentum=exp(-gamma h))``. Each is measured at temperature 0
+(no noise drawn) and at ``tau > 0`` (noise drawn every step). The reported
+ratio is the median time of the method over the median time of its baseline,
+both over the same interleaved repetitions after warm-up. Also reported: the
+optimizer state size in bytes.
+
+Models:
+
+* ``mlp784``: 784-1000-10 ReLU MLP, batch 128, softmax cross-entropy (the
+  paper's Fashion-MNIST model), circle radii 0.05 (hidden) and 0.1 (output).
+* ``spiral8x100``: 2 inputs, 8 hidden layers of 100 ReLU units, 1 output,
+  batch 25, binary cross-entropy (the paper's spiral model).
+
+Usage::
+
+  OPENBLAS_NUM_THREADS=1 python benchmarks/step_overhead.py            # full run
+  OPENBLAS_NUM_THREADS=1 python benchmarks/step_overhead.py --smoke    # seconds
+  python benchmarks/step_overhead.py --skip-heavy   # no o-CoLA on mlp784
+
+Writes ``step_overhead.json`` and ``step_overhead.png`` under ``--out``.
+
+JSON keys: ``meta`` (command, argv, date, machine, versions), ``config``
+(hyperparameters, repetitions), ``results`` (one record per model, method,
+temperature and kind, with ``method_ms``, ``baseline_ms``, ``ratio``,
+``ratio_of_paired`` and the per-sample spread), ``state_bytes`` (per model:
+per method and baseline), ``targets`` (the issue's performance targets with
+``value``, ``limit`` and ``met``).
+"""
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+from typing import Any, Callable, NamedTuple
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import cola_jax as cola  # noqa: E402
+
+RESULT_KEYS = ("model", "method", "baseline", "temperature", "kind", "method_ms",
+               "baseline_ms", "ratio", "ratio_of_paired", "method_iqr_ms",
+               "baseline_iqr_ms", "repetitions")
+TOP_KEYS = ("meta", "config", "results", "state_bytes", "targets")
+METHODS = ("c_cola_od", "c_cola_ud", "o_cola_od", "o_cola_ud")
+KINDS = ("update", "step")
+# --smoke measures only what the issue's targets name (model, method, tau > 0,
+# kind): compiling is what takes the time there.
+SMOKE_JOBS = (("mlp784", "c_cola_ud", False, "update"), ("mlp784", "c_cola_ud", False, "step"),
+              ("mlp784", "c_cola_ud", True, "step"), ("spiral8x100", "o_cola_od", False, "step"))
+
+
+# ----------------------------------------------------------------------------
+# Models: plain jnp MLPs as dicts of layers {'Dense_i': {'kernel', 'bias'}}.
+
+
+class Model(NamedTuple):
+  name: str
+  sizes: tuple
+  batch: int
+  loss: str  # 'softmax' or 'bce'
+  radius: dict  # layer name -> circle radius
+
+
+def init_mlp(key, sizes):
+  """Glorot-uniform kernels, zero biases (Flax's Dense defaults are similar)."""
+  params = {}
+  for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+    key, sub = jax.random.split(key)
+    bound = math.sqrt(6.0 / (fan_in + fan_out))
+    params[f"Dense_{i}"] = {
+        "kernel": jax.random.uniform(sub, (fan_in, fan_out), jnp.float32, -bound, bound),
+        "bias": jnp.zeros((fan_out,), jnp.float32),
+    }
+  return params
+
+
+def apply_mlp(params, x):
+  n = len(params)
+  for i in range(n):
+    layer = params[f"Dense_{i}"]
+    x = x @ layer["kernel"] + layer["bias"]
+    if i < n - 1:
+      x = jax.nn.relu(x)
+  return x
+
+
+def make_loss(model: Model) -> Callable:
+  if model.loss == "softmax":
+    def loss(params, batch):
+      x, y = batch
+      return optax.softmax_cross_entropy_with_integer_labels(apply_mlp(params, x), y).mean()
+  else:
+    def loss(params, batch):
+      x, y = batch
+      return optax.sigmoid_binary_cross_entropy(apply_mlp(params, x)[:, 0], y).mean()
+  return loss
+
+
+def make_batch(model: Model, key):
+  kx, ky = jax.random.split(key)
+  x = jax.random.normal(kx, (model.batch, model.sizes[0]), jnp.float32)
+  if model.loss == "softmax":
+    y = jax.random.randint(ky, (model.batch,), 0, model.sizes[-1])
+  else:
+    y = jax.random.bernoulli(ky, 0.5, (model.batch,)).astype(jnp.float32)
+  return x, y
+
+
+def models(smoke: bool) -> list[Model]:
+  if smoke:
+    return [
+        Model("mlp784", (48, 64, 10), 16, "softmax", {"Dense_0": 0.05, "Dense_1": 0.1}),
+        Model("spiral8x100", (2, 8, 8, 1), 5, "bce", {f"Dense_{i}": 0.3 for i in range(3)}),
+    ]
+  spiral = (2,) + (100,) * 8 + (1,)
+  return [
+      Model("mlp784", (784, 1000, 10), 128, "softmax", {"Dense_0": 0.05, "Dense_1": 0.1}),
+      Model("spiral8x100", spiral, 25, "bce", {f"Dense_{i}": 0.3 for i in range(len(spiral) - 1)}),
+  ]
+
+
+# ----------------------------------------------------------------------------
+# Methods and baselines.
+
+
+def make_pair(method: str, model: Model, args, temperature: float):
+  """(method transform, baseline transform, baseline name, hyperparameters)."""
+  noise = {} if temperature == 0 else {"temperature": temperature, "key": jax.random.key(7)}
+  if method == "c_cola_od":
+    h = args.h_c_od
+    return (cola.c_cola_od(h, radius=model.radius, **noise), optax.sgd(h),
+            f"sgd({h})", {"h": h, "radius": model.radius})
+  if method == "c_cola_ud":
+    h, gamma = args.h_c_ud, args.friction
+    lr, mom = cola.langevin_to_sgd_momentum(h, gamma)
+    return (cola.c_cola_ud(h, friction=gamma, radius=model.radius, **noise),
+            optax.sgd(lr, momentum=mom), f"sgd({lr:.4g}, momentum={mom:.4g})",
+            {"h": h, "friction": gamma, "radius": model.radius})
+  if method == "o_cola_od":
+    h = args.h_o_od
+    return (cola.o_cola_od(h, **noise), optax.sgd(h), f"sgd({h})", {"h": h})
+  if method == "o_cola_ud":
+    h, gamma = args.h_o_ud, args.friction
+    lr, mom = cola.langevin_to_sgd_momentum(h, gamma)
+    return (cola.o_cola_ud(h, friction=gamma, **noise), optax.sgd(lr, momentum=mom),
+            f"sgd({lr:.4g}, momentum={mom:.4g})", {"h": h, "friction": gamma})
+  raise ValueError(method)
+
+
+def tree_bytes(tree) -> int:
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+      leaf = jax.random.key_data(leaf)
+    total += int(np.prod(leaf.shape)) * leaf.dtype.itemsize
+  return total
+
+
+def build(kind: str, tx, loss_fn, params, grads, batch):
+  """A jitted step function and its initial carry ``(params, opt_state)``."""
+  if kind == "update":
+    def fn(params, state):
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+  else:
+    def fn(params, state):
+      g = jax.grad(loss_fn)(params, batch)
+      updates, state = tx.update(g, state, params)
+      return optax.apply_updates(params, updates), state
+  return jax.jit(fn, donate_argnums=(0, 1)), (jax.tree.map(jnp.copy, params), tx.init(params))
+
+
+def measure_pair(fns, carries, warmup: int, repetitions: int, budget_s: float):
+  """Interleaved timing of two step functions; returns per-call seconds for each.
+
+  The order within a pair alternates from one repetition to the next so that
+  neither side always runs right after the other. Stops early once
+  ``budget_s`` seconds are spent (at least 5 repetitions).
+  """
+  carries = list(carries)
+  for i in (0, 1):
+    for _ in range(warmup):
+      carries[i] = jax.block_until_ready(fns[i](*carries[i]))
+  samples = ([], [])
+  start = time.perf_counter()
+  for rep in range(repetitions):
+    for i in ((0, 1) if rep % 2 == 0 else (1, 0)):
+      t0 = time.perf_counter()
+      carries[i] = jax.block_until_ready(fns[i](*carries[i]))
+      samples[i].append(time.perf_counter() - t0)
+    if rep >= 4 and time.perf_counter() - start > budget_s:
+      break
+  return np.asarray(samples[0]), np.asarray(samples[1])
+
+
+def summarize(model, method, baseline, temperature, kind, t_method, t_base):
+  iqr = lambda t: float(np.percentile(t, 75) - np.percentile(t, 25)) * 1e3
+  return {
+      "model": model, "method": method, "baseline": baseline,
+      "temperature": temperature, "kind": kind,
+      "method_ms": float(np.median(t_method)) * 1e3,
+      "baseline_ms": float(np.median(t_base)) * 1e3,
+      "ratio": float(np.median(t_method) / np.median(t_base)),
+      "ratio_of_paired": float(np.median(t_method / t_base)),
+      "method_iqr_ms": iqr(t_method), "baseline_iqr_ms": iqr(t_base),
+      "repetitions": int(len(t_method)),
+  }
+
+
+def targets_from(results) -> list[dict]:
+  def find(model, method, temperature_positive, kind):
+    for r in results:
+      if (r["model"] == model and r["method"] == method and r["kind"] == kind
+          and (r["temperature"] > 0) == temperature_positive):
+        return r["ratio"]
+    return None
+
+  spec = [
+      ("c_cola_ud update / SGD-m update, tau=0, mlp784", ("mlp784", "c_cola_ud", False, "update"), 2.0),
+      ("c_cola_ud step / SGD-m step, tau=0, mlp784", ("mlp784", "c_cola_ud", False, "step"), 1.25),
+      ("c_cola_ud step / SGD-m step, tau>0, mlp784", ("mlp784", "c_cola_ud", True, "step"), 2.0),
+      ("o_cola_od step / SGD step, tau=0, spiral8x100", ("spiral8x100", "o_cola_od", False, "step"), 1.5),
+  ]
+  out = []
+  for name, where, limit in spec:
+    value = find(*where)
+    out.append({"name": name, "value": value, "limit": limit,
+                "met": None if value is None else bool(value <= limit)})
+  return out
+
+
+def machine_info() -> dict:
+  info = {
+      "platform": platform.platform(), "processor": platform.processor(),
+      "machine": platform.machine(), "python": sys.version.split()[0],
+      "cpu_count": os.cpu_count(), "jax": jax.__version__, "optax": optax.__version__,
+      "cola_jax": getattr(cola, "__version__", None), "backend": jax.default_backend(),
+      "devices": [str(d) for d in jax.devices()],
+      "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"),
+      "XLA_FLAGS": os.environ.get("XLA_FLAGS"),
+  }
+  try:
+    with open("/proc/cpuinfo") as f:
+      names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    info["cpu_model"] = names[0] if names else None
+  except OSError:
+    pass
+  try:
+    info["loadavg_at_start"] = os.getloadavg()
+  except OSError:
+    pass
+  return info
+
+
+def plot(results, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  model_names = sorted({r["model"] for r in results}, key=[r["model"] for r in results].index)
+  fig, axes = plt.subplots(1, len(model_names), figsize=(6.5 * len(model_names), 4.2), squeeze=False)
+  series = [("update", False), ("update", True), ("step", False), ("step", True)]
+  width = 0.2
+  for ax, model in zip(axes[0], model_names):
+    methods = [m for m in METHODS if any(r["model"] == model and r["method"] == m for r in results)]
+    for j, (kind, noisy) in enumerate(series):
+      values = []
+      for m in methods:
+        match = [r["ratio"] for r in results if r["model"] == model and r["method"] == m
+                 and r["kind"] == kind and (r["temperature"] > 0) == noisy]
+        values.append(match[0] if match else np.nan)
+      xs = np.arange(len(methods)) + (j - 1.5) * width
+      ax.bar(xs, values, width, label=f"{kind}, tau{'>0' if noisy else '=0'}")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(np.arange(len(methods)), methods)
+    ax.set_yscale("log")
+    ax.set_ylabel("time / baseline time (median)")
+    ax.set_title(model)
+    ax.legend(fontsize=8)
+  fig.suptitle("CoLA step overhead vs SGD (od) / SGD-momentum (ud)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def table(results, state_bytes, targets) -> str:
+  lines = [f"{'model':12s} {'method':10s} {'tau':>7s} {'kind':6s} {'method ms':>10s} "
+           f"{'base ms':>9s} {'ratio':>7s} {'paired':>7s} {'n':>4s}"]
+  for r in results:
+    lines.append(
+        f"{r['model']:12s} {r['method']:10s} {r['temperature']:7.0e} {r['kind']:6s} "
+        f"{r['method_ms']:10.3f} {r['baseline_ms']:9.3f} {r['ratio']:7.2f} "
+        f"{r['ratio_of_paired']:7.2f} {r['repetitions']:4d}")
+  lines.append("")
+  lines.append(f"{'model':12s} {'method':10s} {'state bytes':>12s} {'baseline':>10s} {'ratio':>6s}")
+  for model, per in state_bytes.items():
+    for m, b in per.items():
+      ratio = f"{b['method'] / b['baseline']:6.2f}" if b["baseline"] else "   n/a"
+      lines.append(f"{model:12s} {m:10s} {b['method']:12d} {b['baseline']:10d} {ratio}")
+  lines.append("")
+  for t in targets:
+    value = "n/a" if t["value"] is None else f"{t['value']:.2f}"
+    met = {None: "not measured", True: "MET", False: "MISSED"}[t["met"]]
+    lines.append(f"target: {t['name']}: {value} <= {t['limit']}  {met}")
+  return "\n".join(lines)
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--smoke", action="store_true",
+                 help="tiny models and a few repetitions: a check that runs in seconds")
+  p.add_argument("--out", default="results/", help="output directory (default: results/)")
+  p.add_argument("--models", nargs="+", default=["mlp784", "spiral8x100"],
+                 choices=["mlp784", "spiral8x100"])
+  p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+  p.add_argument("--skip-heavy", action="store_true",
+                 help="skip o-CoLA on mlp784 (quasi-Newton on a 784x1000 matrix, slow)")
+  p.add_argument("--temperature", type=float, default=1e-6, help="the tau > 0 setting")
+  p.add_argument("--repetitions", type=int, default=300, help="timed pairs per measurement")
+  p.add_argument("--warmup", type=int, default=10)
+  p.add_argument("--budget", type=float, default=20.0,
+                 help="seconds at most per measurement (heavy ones stop early)")
+  p.add_argument("--h-c-od", type=float, default=0.1)
+  p.add_argument("--h-c-ud", type=float, default=0.3)
+  p.add_argument("--h-o-od", type=float, default=0.1)
+  p.add_argument("--h-o-ud", type=float, default=0.3)
+  p.add_argument("--friction", type=float, default=1.0)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+  return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  if args.smoke:
+    args.repetitions = min(args.repetitions, 5)
+    args.warmup = min(args.warmup, 1)
+  os.makedirs(args.out, exist_ok=True)
+  temperatures = [0.0, args.temperature]
+
+  jobs = []
+  for model in models(args.smoke):
+    if model.name not in args.models:
+      continue
+    for method in args.methods:
+      if args.skip_heavy and model.name == "mlp784" and method.startswith("o_"):
+        continue
+      for temperature in temperatures:
+        for kind in KINDS:
+          if args.smoke and (model.name, method, temperature > 0, kind) not in SMOKE_JOBS:
+            continue
+          jobs.append((model, method, temperature, kind))
+
+  try:
+    if args.no_progress:
+      raise ImportError
+    from tqdm import tqdm
+    progress = tqdm(total=len(jobs), desc="step overhead", file=sys.stderr)
+  except ImportError:
+    progress = None
+
+  results, state_bytes = [], {}
+  key = jax.random.key(args.seed)
+  cache: dict[str, Any] = {}
+  baselines: dict[tuple, Any] = {}
+  for model, method, temperature, kind in jobs:
+    if model.name not in cache:
+      kp, kb, kg = jax.random.split(jax.random.fold_in(key, len(cache)), 3)
+      params = init_mlp(kp, model.sizes)
+      batch = make_batch(model, kb)
+      loss_fn = make_loss(model)
+      grads = jax.grad(loss_fn)(params, batch)
+      cache[model.name] = (params, batch, loss_fn, grads)
+    params, batch, loss_fn, grads = cache[model.name]
+    tx, base_tx, base_name, hyper = make_pair(method, model, args, temperature)
+    if temperature == 0:
+      state_bytes.setdefault(model.name, {})[method] = {
+          "method": tree_bytes(tx.init(params)), "baseline": tree_bytes(base_tx.init(params)),
+          "baseline_name": base_name, "params": tree_bytes(params)}
+    f_m, c_m = build(kind, tx, loss_fn, params, grads, batch)
+    base_key = (model.name, base_name, kind)
+    if base_key not in baselines:  # one compiled baseline serves several methods
+      baselines[base_key] = build(kind, base_tx, loss_fn, params, grads, batch)[0]
+    f_b = baselines[base_key]
+    c_b = (jax.tree.map(jnp.copy, params), base_tx.init(params))
+    t_m, t_b = measure_pair((f_m, f_b), (c_m, c_b), args.warmup, args.repetitions, args.budget)
+    record = summarize(model.name, method, base_name, temperature, kind, t_m, t_b)
+    record["hyperparameters"] = hyper
+    results.append(record)
+    if progress is not None:
+      progress.set_postfix_str(f"{model.name} {method} tau={temperature:g} {kind}: {record['ratio']:.2f}x")
+      progress.update()
+  if progress is not None:
+    progress.close()
+
+  targets = targets_from(results)
+  report = {
+      "meta": {
+          "command": " ".join([os.path.basename(sys.executable)] + sys.argv) if argv is None
+                     else "step_overhead.main(" + repr(list(argv)) + ")",
+          "argv": list(sys.argv if argv is None else argv),
+          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+          "machine": machine_info(),
+      },
+      "config": {
+          "smoke": args.smoke, "repetitions": args.repetitions, "warmup": args.warmup,
+          "budget_s": args.budget, "temperatures": temperatures,
+          "models": {m.name: {"sizes": list(m.sizes), "batch": m.batch, "loss": m.loss,
+                              "radius": m.radius} for m in models(args.smoke)},
+          "methods": args.methods, "skip_heavy": args.skip_heavy,
+          "timing": "median over interleaved repetitions after warm-up; jit with donated "
+                    "params and state; jax.block_until_ready after every call",
+      },
+      "results": results,
+      "state_bytes": state_bytes,
+      "targets": targets,
+  }
+  json_path = os.path.join(args.out, "step_overhead.json")
+  with open(json_path, "w") as f:
+    json.dump(report, f, indent=1)
+  plot(results, os.path.join(args.out, "step_overhead.png"))
+  print(table(results, state_bytes, targets))
+  print(f"\nwrote {json_path} and {os.path.join(args.out, 'step_overhead.png')}")
+  return report
+
+
+if __name__ == "__main__":
+  main()

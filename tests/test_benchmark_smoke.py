@@ -1,0 +1,68 @@
+"""The step-overhead benchmark runs end to end in --smoke mode and writes its report.
+
+Only the structure of the report is checked: timings are the benchmark's
+business, never a test's.
+"""
+
+import importlib.util
+import json
+import math
+import pathlib
+
+import pytest
+
+_SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "step_overhead.py"
+
+
+@pytest.fixture(scope="module")
+def step_overhead():
+  spec = importlib.util.spec_from_file_location("step_overhead", _SCRIPT)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_smoke_run_writes_the_documented_report(step_overhead, tmp_path):
+  pytest.importorskip("matplotlib")
+  returned = step_overhead.main(["--smoke", "--no-progress", "--out", str(tmp_path)])
+
+  with open(tmp_path / "step_overhead.json") as f:
+    report = json.load(f)
+  assert (tmp_path / "step_overhead.png").stat().st_size > 0
+  assert set(step_overhead.TOP_KEYS) <= set(report)
+  assert report["results"] == json.loads(json.dumps(returned["results"]))
+
+  meta = report["meta"]
+  assert {"command", "argv", "date", "machine"} <= set(meta)
+  assert "jax" in meta["machine"] and "cpu_count" in meta["machine"]
+  assert report["config"]["smoke"] is True
+
+  assert report["results"], "no measurement was made"
+  for record in report["results"]:
+    assert set(step_overhead.RESULT_KEYS) <= set(record)
+    assert record["kind"] in step_overhead.KINDS
+    assert record["method"] in step_overhead.METHODS
+    for key in ("method_ms", "baseline_ms", "ratio"):
+      assert math.isfinite(record[key]) and record[key] > 0
+  assert {r["temperature"] > 0 for r in report["results"]} == {False, True}
+
+  # Every target the issue names is measured in smoke mode too.
+  assert len(report["targets"]) == 4
+  for target in report["targets"]:
+    assert {"name", "value", "limit", "met"} <= set(target)
+    assert target["value"] is not None and target["met"] in (True, False)
+
+  # State sizes: c-CoLA-ud keeps a slack and a momentum per constrained
+  # weight, SGD-m one momentum per parameter.
+  sizes = report["state_bytes"]["mlp784"]["c_cola_ud"]
+  assert sizes["baseline"] == sizes["params"]
+  assert sizes["params"] < sizes["method"] < 2 * sizes["params"] + 64
+
+
+def test_help_lists_the_options(step_overhead, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    step_overhead.parse_args(["--help"])
+  assert exit_info.value.code == 0
+  out = capsys.readouterr().out
+  for option in ("--smoke", "--out", "--skip-heavy"):
+    assert option in out
