@@ -1,0 +1,109 @@
+"""Smoke test of benchmarks/spiral.py, the spiral experiment (paper Figs. 2-3)."""
+
+import importlib.util
+import json
+import math
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "spiral.py"
+
+
+@pytest.fixture(scope="module")
+def spiral():
+  spec = importlib.util.spec_from_file_location("spiral_benchmark", SCRIPT)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.fixture(scope="module")
+def smoke_run(spiral, tmp_path_factory):
+  out = tmp_path_factory.mktemp("spiral")
+  returned = spiral.main(["--smoke", "--out", str(out), "--quiet"])
+  return out, returned
+
+
+def test_json_schema(spiral, smoke_run):
+  out, returned = smoke_run
+  data = json.loads((out / "spiral.json").read_text())
+  assert data == json.loads(json.dumps(returned))
+
+  for key in ("schema_version", "config", "methods", "depths", "seeds", "results", "summary",
+              "command", "argv", "date", "machine", "versions", "wall_time_s"):
+    assert key in data, key
+  assert data["argv"][0] == "--smoke"
+  assert data["versions"]["jax"]
+  assert data["wall_time_s"] > 0
+
+  n_seeds = spiral.SMOKE["seeds"]
+  depths = spiral.SMOKE["depths"]
+  epochs = spiral.SMOKE["epochs"]
+  assert data["depths"] == depths
+  assert data["seeds"] == list(range(n_seeds))
+  assert data["config"]["epochs"] == epochs
+  assert set(data["methods"]) == set(spiral.METHOD_ORDER)
+  assert set(data["results"]) == set(spiral.METHOD_ORDER)
+
+  for method, per_depth in data["results"].items():
+    assert set(per_depth) == {str(d) for d in depths}
+    for depth, entry in per_depth.items():
+      for key in ("test_accuracy", "train_accuracy", "test_loss", "train_loss"):
+        values = entry[key]
+        assert isinstance(values, list) and len(values) == n_seeds, (method, depth, key)
+        assert all(isinstance(v, float) and math.isfinite(v) for v in values)
+      assert all(0.0 <= v <= 1.0 for v in entry["test_accuracy"] + entry["train_accuracy"])
+      assert all(v >= 0.0 for v in entry["test_loss"] + entry["train_loss"])
+      history = entry["history"]
+      n_evals = len(history["epoch"])
+      assert history["epoch"][-1] == epochs
+      assert np.shape(history["test_accuracy"]) == (n_evals, n_seeds)
+      assert history["test_accuracy"][-1] == entry["test_accuracy"]
+      summary = data["summary"][method][depth]
+      assert summary["test_accuracy_mean"] == pytest.approx(np.mean(entry["test_accuracy"]))
+      if method.startswith("ocola"):
+        assert len(entry["max_orthogonality_defect"]) == n_seeds
+        assert len(entry["projection_fallbacks"]) == n_seeds
+
+
+def test_png_written(smoke_run):
+  out, _ = smoke_run
+  png = out / "spiral.png"
+  assert png.exists()
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert png.stat().st_size > 10_000
+
+
+def test_ocola_stays_orthonormal_in_the_run(smoke_run):
+  _, data = smoke_run
+  for method in ("ocola_od", "ocola_od_tau"):
+    for depth in data["depths"]:
+      if depth >= 2:  # depth 1 has no hidden-to-hidden matrix
+        assert max(data["results"][method][str(depth)]["max_orthogonality_defect"]) <= 1e-5
+
+
+def test_depth_one_ocola_is_plain_sgd(smoke_run):
+  # With a single hidden layer nothing is constrained: o-CoLA-od at tau = 0 is
+  # SGD with the same (PyTorch) init, minibatches and step size.
+  _, data = smoke_run
+  sgd, ocola = data["results"]["sgd"]["1"], data["results"]["ocola_od"]["1"]
+  np.testing.assert_allclose(ocola["train_loss"], sgd["train_loss"], rtol=1e-5)
+  assert ocola["test_accuracy"] == sgd["test_accuracy"]
+
+
+def test_trained_hidden_weights_are_orthonormal(spiral, smoke_run):
+  # The parameters at the end of the smoke run, straight from main().
+  for method in ("ocola_od", "ocola_od_tau"):
+    layers = spiral.LAST_RUN_PARAMS[method][3]
+    assert len(layers) == 4  # input, 2 hidden-to-hidden, output
+    for layer in layers[1:3]:
+      w = np.asarray(layer["w"], np.float64)  # (seeds, 100, 100)
+      assert w.shape == (spiral.SMOKE["seeds"], 100, 100)
+      gram = np.einsum("ski,skj->sij", w, w)
+      assert np.max(np.abs(gram - np.eye(100))) <= 1e-5
+    # Training moved the constrained weights away from their initialisation.
+    fresh = spiral.init_mlp(spiral.seed_keys(0)[0], 3, 100, lambda i: spiral.is_hidden(i, 3))
+    assert float(jnp.max(jnp.abs(layers[1]["w"][0] - fresh[1]["w"]))) > 1e-4
