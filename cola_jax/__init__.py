@@ -8,13 +8,16 @@ from cola_jax import langevin
 from cola_jax.alias import (
     c_cola_od,
     c_cola_ud,
+    circle_constraints,
     langevin_to_sgd_momentum,
     o_cola_od,
     o_cola_ud,
+    orthogonal_constraints,
     sgd_momentum_to_langevin,
 )
 from cola_jax.constraints import Circle, CircleState, Constraint, Orthogonal, ProjectionInfo
 from cola_jax.diagnostics import constraint_residuals
+from cola_jax.initialization import project_params
 from cola_jax.transforms import OverdampedState, UnderdampedState, cola_od, cola_ud
 
 __version__ = "0.1.0"
@@ -29,6 +32,7 @@ __all__ = [
     "UnderdampedState",
     "c_cola_od",
     "c_cola_ud",
+    "circle_constraints",
     "cola_od",
     "cola_ud",
     "constraint_residuals",
@@ -36,5 +40,7 @@ __all__ = [
     "langevin_to_sgd_momentum",
     "o_cola_od",
     "o_cola_ud",
+    "orthogonal_constraints",
+    "project_params",
     "sgd_momentum_to_langevin",
 ]

@@ -31,6 +31,9 @@ class LeafLayout:
     self.paths = [jax.tree_util.keystr(path) for path, _ in paths_and_leaves]
     self.params = [leaf for _, leaf in paths_and_leaves]
     self.constraints = self._assign(spec, params)
+    # The geometry runs in at least float32 (float64 stays float64); updates
+    # are returned in each parameter's own dtype.
+    self.compute = [p.astype(jnp.promote_types(p.dtype, jnp.float32)) for p in self.params]
 
   def _assign(self, spec, params) -> list[Constraint]:
     if callable(spec) and not isinstance(spec, Constraint):
@@ -69,6 +72,16 @@ class LeafLayout:
 
   def unflatten(self, leaves: list):
     return self.treedef.unflatten(leaves)
+
+  def gradients(self, grads) -> list:
+    """The gradient leaves, in the compute dtype of their parameters."""
+    return [g.astype(p.dtype) for g, p in zip(self.flatten(grads, "grads"), self.compute)]
+
+  def updates(self, new_params: list):
+    """``new - old`` for every leaf, in the parameter's own dtype."""
+    return self.unflatten([
+        (new - old).astype(param.dtype)
+        for new, old, param in zip(new_params, self.compute, self.params)])
 
   def check_aux(self, auxes: list) -> None:
     """Raises if a leaf's stored auxiliary state does not fit its constraint."""

@@ -57,7 +57,14 @@ def _constraints_per_leaf(owner: str, mask: MaskOrFn, make: Callable[[Any, str],
   return constraints
 
 
-def _circles(owner: str, radius: RadiusSpec, mask: MaskOrFn):
+def circle_constraints(radius: RadiusSpec, *, mask: MaskOrFn = None, owner: str = "circle_constraints"):
+  """The constraints of :func:`c_cola_od` and :func:`c_cola_ud`, as a callable.
+
+  Returns a function ``params -> pytree`` with a :class:`~cola_jax.Circle` on
+  each masked-in leaf whose radius is not None, for
+  ``cola_od``/``cola_ud(constraints=...)`` or :func:`~cola_jax.project_params`.
+  """
+
   def make(r, path):
     try:
       return Circle(r)
@@ -65,6 +72,17 @@ def _circles(owner: str, radius: RadiusSpec, mask: MaskOrFn):
       raise ValueError(f"{owner}: the radius for the leaf at {path}: {error}") from None
 
   return _constraints_per_leaf(owner, mask, make, spec=radius)
+
+
+def orthogonal_constraints(*, mask: MaskOrFn = None, tolerance: float = 1e-6,
+                           max_iterations: int = 20, owner: str = "orthogonal_constraints"):
+  """The constraints of :func:`o_cola_od` and :func:`o_cola_ud`, as a callable.
+
+  Returns a function ``params -> pytree`` with an :class:`~cola_jax.Orthogonal`
+  on each masked-in leaf (default: ``ndim >= 2``).
+  """
+  orthogonal = Orthogonal(tolerance=tolerance, max_iterations=max_iterations)
+  return _constraints_per_leaf(owner, mask, lambda *_: orthogonal)
 
 
 def c_cola_od(
@@ -94,7 +112,7 @@ def c_cola_od(
     >>> import cola_jax as cola
     >>> tx = cola.c_cola_od(0.1, radius={'hidden': 0.05, 'out': 0.1})  # doctest: +SKIP
   """
-  return cola_od(learning_rate, constraints=_circles("c_cola_od", radius, mask),
+  return cola_od(learning_rate, constraints=circle_constraints(radius, mask=mask, owner="c_cola_od"),
                  temperature=temperature, key=key)
 
 
@@ -123,7 +141,7 @@ def c_cola_ud(
   Returns:
     :func:`cola_jax.cola_ud` with :class:`cola_jax.Circle` constraints.
   """
-  return cola_ud(learning_rate, friction=friction, constraints=_circles("c_cola_ud", radius, mask),
+  return cola_ud(learning_rate, friction=friction, constraints=circle_constraints(radius, mask=mask, owner="c_cola_ud"),
                  temperature=temperature, key=key)
 
 
@@ -151,8 +169,9 @@ def o_cola_od(
   Returns:
     :func:`cola_jax.cola_od` with :class:`cola_jax.Orthogonal` constraints.
   """
-  orthogonal = Orthogonal(tolerance=tolerance, max_iterations=max_iterations)
-  return cola_od(learning_rate, constraints=_constraints_per_leaf("o_cola_od", mask, lambda *_: orthogonal),
+  constraints = orthogonal_constraints(
+      mask=mask, tolerance=tolerance, max_iterations=max_iterations, owner="o_cola_od")
+  return cola_od(learning_rate, constraints=constraints,
                  temperature=temperature, key=key)
 
 
@@ -180,9 +199,10 @@ def o_cola_ud(
   Returns:
     :func:`cola_jax.cola_ud` with :class:`cola_jax.Orthogonal` constraints.
   """
-  orthogonal = Orthogonal(tolerance=tolerance, max_iterations=max_iterations)
+  constraints = orthogonal_constraints(
+      mask=mask, tolerance=tolerance, max_iterations=max_iterations, owner="o_cola_ud")
   return cola_ud(learning_rate, friction=friction,
-                 constraints=_constraints_per_leaf("o_cola_ud", mask, lambda *_: orthogonal),
+                 constraints=constraints,
                  temperature=temperature, key=key)
 
 

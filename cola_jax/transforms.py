@@ -103,11 +103,6 @@ def _step_keys(key, noisy: bool, n_leaves: int):
   return key, list(jax.random.split(step_key, n_leaves))
 
 
-def _updates(layout: LeafLayout, new_params: list) -> Any:
-  return layout.unflatten([
-      (new - old).astype(old.dtype) for new, old in zip(new_params, layout.params)])
-
-
 def cola_od(
     learning_rate: optax.ScalarOrSchedule,
     *,
@@ -160,13 +155,13 @@ def cola_od(
 
   def init_fn(params):
     layout = LeafLayout(owner, constraints, params)
-    auxes = [c.init(p) for c, p in zip(layout.constraints, layout.params)]
+    auxes = [c.init(p) for c, p in zip(layout.constraints, layout.compute)]
     return OverdampedState(
         count=jnp.zeros([], jnp.int32), key=key, constraint_states=layout.unflatten(auxes))
 
   def update_fn(grads, state, params=None):
     layout = LeafLayout(owner, constraints, params)
-    grad_leaves = layout.flatten(grads, "grads")
+    grad_leaves = layout.gradients(grads)
     auxes = layout.flatten(state.constraint_states, "state.constraint_states")
     layout.check_aux(auxes)
     h = _at(learning_rate, state.count)
@@ -175,13 +170,13 @@ def cola_od(
 
     new_params, new_auxes = [], []
     for c, param, grad, aux, leaf_key in zip(
-        layout.constraints, layout.params, grad_leaves, auxes, leaf_keys):
+        layout.constraints, layout.compute, grad_leaves, auxes, leaf_keys):
       point = c.point(param, aux)
       point = langevin.overdamped_step(c, point, grad, h, noise_scale, leaf_key)
       new_param, new_aux = c.unpack(point, param)
       new_params.append(new_param)
       new_auxes.append(new_aux)
-    return _updates(layout, new_params), OverdampedState(
+    return layout.updates(new_params), OverdampedState(
         count=optax.safe_increment(state.count), key=next_key,
         constraint_states=layout.unflatten(new_auxes))
 
@@ -244,15 +239,15 @@ def cola_ud(
 
   def init_fn(params):
     layout = LeafLayout(owner, constraints, params)
-    auxes = [c.init(p) for c, p in zip(layout.constraints, layout.params)]
-    momenta = [c.zero_momentum(p) for c, p in zip(layout.constraints, layout.params)]
+    auxes = [c.init(p) for c, p in zip(layout.constraints, layout.compute)]
+    momenta = [c.zero_momentum(p) for c, p in zip(layout.constraints, layout.compute)]
     return UnderdampedState(
         count=jnp.zeros([], jnp.int32), key=key,
         constraint_states=layout.unflatten(auxes), momentum=layout.unflatten(momenta))
 
   def update_fn(grads, state, params=None):
     layout = LeafLayout(owner, constraints, params)
-    grad_leaves = layout.flatten(grads, "grads")
+    grad_leaves = layout.gradients(grads)
     auxes = layout.flatten(state.constraint_states, "state.constraint_states")
     layout.check_aux(auxes)
     momenta = layout.flatten(state.momentum, "state.momentum")
@@ -264,7 +259,7 @@ def cola_ud(
 
     new_params, new_auxes, new_momenta = [], [], []
     for c, param, grad, aux, stored, leaf_key in zip(
-        layout.constraints, layout.params, grad_leaves, auxes, momenta, leaf_keys):
+        layout.constraints, layout.compute, grad_leaves, auxes, momenta, leaf_keys):
       point = c.point(param, aux)
       point, momentum = langevin.oba_step(
           c, point, c.load_momentum(stored), grad, h, decay, noise_scale, leaf_key)
@@ -272,7 +267,7 @@ def cola_ud(
       new_params.append(new_param)
       new_auxes.append(new_aux)
       new_momenta.append(c.store_momentum(momentum, param).astype(stored.dtype))
-    return _updates(layout, new_params), UnderdampedState(
+    return layout.updates(new_params), UnderdampedState(
         count=optax.safe_increment(state.count), key=next_key,
         constraint_states=layout.unflatten(new_auxes), momentum=layout.unflatten(new_momenta))
 

@@ -327,3 +327,32 @@ def test_per_layer_radii_none_frees_a_layer_and_callables_work(mlp_problem):
       params, loss, 5)
   assert state.constraint_states["layer1"]["w"] is None
   assert state.constraint_states["layer0"]["b"] is not None  # the mask includes layer0's bias
+
+
+def test_project_params_puts_constrained_leaves_on_the_manifold(mlp_problem):
+  params, _ = mlp_problem
+  on_circle = cola.project_params(params, cola.circle_constraints({"layer0": 0.05, "layer1": 0.1, "layer2": None}))
+  assert jnp.max(jnp.abs(on_circle["layer0"]["w"])) <= jnp.float32(0.05)
+  np.testing.assert_array_equal(on_circle["layer2"]["w"], params["layer2"]["w"])
+  np.testing.assert_array_equal(on_circle["layer0"]["b"], params["layer0"]["b"])
+  orthonormal = cola.project_params(params, cola.orthogonal_constraints())
+  for layer in ("layer0", "layer1", "layer2"):
+    w = orthonormal[layer]["w"]
+    q = w if w.shape[0] >= w.shape[1] else w.T
+    np.testing.assert_allclose(q.T @ q, np.eye(q.shape[1]), atol=2e-6)
+  # On the manifold, the first update with zero gradient moves nothing.
+  tx = cola.o_cola_ud(0.1, friction=1.0)
+  updates, _ = tx.update(jax.tree.map(jnp.zeros_like, orthonormal), tx.init(orthonormal), orthonormal)
+  assert max(float(jnp.max(jnp.abs(u))) for u in jax.tree.leaves(updates)) <= 1e-6
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_parameters_keep_their_dtype_and_the_constraint(dtype, mlp_problem):
+  params, loss = mlp_problem
+  low = jax.tree.map(lambda p: p.astype(dtype), params)
+  for tx in (cola.c_cola_ud(0.3, friction=1.0, radius=0.2, temperature=1e-5, key=jax.random.key(0)),
+             cola.o_cola_od(0.05, temperature=1e-6, key=jax.random.key(0))):
+    new, state = run(tx, low, lambda p, i: loss(jax.tree.map(lambda x: x.astype(jnp.float32), p), i), 50)
+    assert all(x.dtype == dtype for x in jax.tree.leaves(new))
+    residual = max(float(r) for r in jax.tree.leaves(cola.constraint_residuals(new, state)))
+    assert residual <= 8 * float(jnp.finfo(dtype).eps), residual

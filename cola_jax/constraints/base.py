@@ -40,6 +40,10 @@ class Constraint(abc.ABC):
     from the manifold, as a scalar.
     """
 
+  def nearest(self, param: jax.Array) -> jax.Array:
+    """The parameter value on the manifold that the first update would start from."""
+    return self.unpack(self.point(param, self.init(param)), param)[0]
+
   @abc.abstractmethod
   def point(self, param: jax.Array, aux: Aux) -> Point:
     """The point on the manifold re-established from the current parameter.

@@ -141,6 +141,10 @@ class Orthogonal(Constraint):
           "it needs a matrix or a kernel (ndim >= 2). Leave biases and scales "
           "unconstrained (None).")
 
+  def nearest(self, param):
+    """The polar factor: the closest matrix with orthonormal columns (or rows)."""
+    return from_tall_view(polar_factor(tall_view(param)), param)
+
   def init(self, param):
     return ProjectionInfo(iterations=jnp.zeros((), jnp.int32), converged=jnp.array(True))
 

@@ -1,0 +1,33 @@
+"""Putting parameters on their constraint manifolds before training."""
+
+from typing import Any
+
+from cola_jax._tree import ConstraintSpec, LeafLayout
+
+
+def project_params(params: Any, constraints: ConstraintSpec) -> Any:
+  """The parameters with every constrained leaf moved onto its manifold.
+
+  Circle leaves are clipped to ``[-r, r]``; orthogonal leaves are replaced by
+  their polar factor (the nearest matrix with orthonormal columns or rows);
+  free leaves are unchanged. The first update of a CoLA transform does the
+  same, so this is for starting a run on the manifold (or looking at the
+  initial network) rather than a requirement.
+
+  Args:
+    params: a pytree of parameters, e.g. a Flax model's ``variables['params']``.
+    constraints: as for :func:`cola_jax.cola_od`; to match an alias, pass
+      :func:`cola_jax.circle_constraints` or :func:`cola_jax.orthogonal_constraints`
+      with the same ``radius`` and ``mask``.
+
+  Returns:
+    Parameters of the same structure and dtypes.
+
+  Example:
+    >>> params = model.init(key, x)['params']  # doctest: +SKIP
+    >>> params = cola.project_params(params, cola.orthogonal_constraints())  # doctest: +SKIP
+  """
+  layout = LeafLayout("project_params", constraints, params)
+  return layout.unflatten([
+      c.nearest(p).astype(param.dtype)
+      for c, p, param in zip(layout.constraints, layout.compute, layout.params)])
