@@ -80,17 +80,20 @@ class Constraint(abc.ABC):
   def cotangent_normal(self, key: jax.Array, point: Point) -> Momentum:
     """A standard normal vector of the cotangent space (projected noise)."""
 
-  @abc.abstractmethod
   def zero_momentum(self, param: jax.Array) -> jax.Array:
     """The stored form of a zero momentum for the leaf."""
+    return jnp.zeros_like(param)
 
-  @abc.abstractmethod
   def load_momentum(self, stored: jax.Array) -> Momentum:
-    """The momentum in the geometry's coordinates from its stored form."""
+    """The momentum in the geometry's coordinates from its stored form.
 
-  @abc.abstractmethod
+    By default the momentum is stored as it is, shaped like the leaf.
+    """
+    return stored
+
   def store_momentum(self, momentum: Momentum, param: jax.Array) -> jax.Array:
-    """The stored form of a momentum (shaped and typed as the leaf)."""
+    """The stored form of a momentum (shaped like the leaf)."""
+    return momentum
 
   @abc.abstractmethod
   def a_step(self, point: Point, momentum: Momentum, h) -> tuple[Point, Momentum]:
@@ -132,15 +135,6 @@ class Euclidean(Constraint):
 
   def cotangent_normal(self, key, point):
     return self.ambient_normal(key, point)
-
-  def zero_momentum(self, param):
-    return jnp.zeros_like(param)
-
-  def load_momentum(self, stored):
-    return stored
-
-  def store_momentum(self, momentum, param):
-    return momentum
 
   def a_step(self, point, momentum, h):
     return point + h * momentum, momentum

@@ -124,15 +124,6 @@ class Circle(Constraint):
     theta, _ = point
     return jax.random.normal(key, theta.shape, theta.dtype)
 
-  def zero_momentum(self, param):
-    return jnp.zeros_like(param)
-
-  def load_momentum(self, stored):
-    return stored
-
-  def store_momentum(self, momentum, param):
-    return momentum
-
   def a_step(self, point, momentum, h):
     theta, xi = point
     sin, cos = sincos(momentum * (h * (1 / jnp.asarray(self.radius, momentum.dtype))))

@@ -190,9 +190,6 @@ class Orthogonal(Constraint):
   def cotangent_normal(self, key, point):
     return self.cotangent(point, self.ambient_normal(key, point))
 
-  def zero_momentum(self, param):
-    return jnp.zeros_like(param)
-
   def load_momentum(self, stored):
     return tall_view(stored)
 
