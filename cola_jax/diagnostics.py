@@ -3,6 +3,7 @@
 from typing import Any
 
 import jax
+import optax
 
 from cola_jax.transforms import OverdampedState, UnderdampedState
 
@@ -24,6 +25,10 @@ def _cola_state(state):
         f"constraint_residuals: expected exactly one cola_od/cola_ud state inside "
         f"the optimizer state, found {len(found)}.")
   return found[0]
+
+
+def _is_leaf_state(x) -> bool:
+  return x is None or isinstance(x, optax.MaskedNode) or hasattr(x, "residual")
 
 
 def constraint_residuals(params: Any, state: Any) -> Any:
@@ -49,10 +54,14 @@ def constraint_residuals(params: Any, state: Any) -> Any:
   cola_state = _cola_state(state)
   leaves, treedef = jax.tree.flatten(params)
   try:
-    auxes = treedef.flatten_up_to(cola_state.constraint_states)
+    # optax.masked and optax.partition leave an optax.MaskedNode where the state
+    # skips parameters: broadcast it over the parameters it stands for.
+    auxes = treedef.flatten_up_to(jax.tree.broadcast(
+        cola_state.constraint_states, params, is_leaf=_is_leaf_state))
   except (ValueError, TypeError) as error:
     raise ValueError(
         "constraint_residuals: the state's constraint_states do not have the "
         f"structure of params.\n{error}") from None
   return treedef.unflatten([
-      None if aux is None else aux.residual(param) for param, aux in zip(leaves, auxes)])
+      None if aux is None or isinstance(aux, optax.MaskedNode) else aux.residual(param)
+      for param, aux in zip(leaves, auxes)])

@@ -16,6 +16,7 @@ and gives one independent key per leaf, so runs are reproducible under ``jit``
 and ``vmap`` and inside Flax's ``TrainState``.
 """
 
+import sys
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -95,6 +96,25 @@ def _temperature_at(temperature, count):
   return jnp.maximum(_at(temperature, count), 0.0)
 
 
+def _without_variables(params):
+  """``params`` with flax.nnx Variables replaced by their arrays.
+
+  ``nnx.Optimizer`` initialises the transform on ``Param`` variables but updates
+  it with plain arrays; a per-leaf constraint state built inside a Variable
+  would come back from nnx as an ``nnx.State`` and no longer match.
+  """
+  nnx = sys.modules.get("flax.nnx")  # no Variables exist unless nnx is imported
+  return params if nnx is None else nnx.as_pure(params)
+
+
+def _check_state(owner: str, state, expected: type) -> None:
+  if not isinstance(state, expected):
+    raise TypeError(
+        f"{owner}: the optimizer state must be the {expected.__name__} returned by "
+        f"init(), got {type(state).__name__}. (A checkpoint restored without a "
+        "target comes back as dicts: restore it with tx.init(params) as the target.)")
+
+
 def _step_keys(key, noisy: bool, n_leaves: int):
   """(next key, one key per leaf) or (key, Nones) when no noise is drawn."""
   if not noisy:
@@ -154,12 +174,13 @@ def cola_od(
   noisy = _check_hyperparameters(owner, learning_rate, temperature, key)
 
   def init_fn(params):
-    layout = LeafLayout(owner, constraints, params)
+    layout = LeafLayout(owner, constraints, _without_variables(params))
     auxes = [c.init(p) for c, p in zip(layout.constraints, layout.compute)]
     return OverdampedState(
         count=jnp.zeros([], jnp.int32), key=key, constraint_states=layout.unflatten(auxes))
 
   def update_fn(grads, state, params=None):
+    _check_state(owner, state, OverdampedState)
     layout = LeafLayout(owner, constraints, params)
     grad_leaves = layout.gradients(grads)
     auxes = layout.flatten(state.constraint_states, "state.constraint_states")
@@ -238,7 +259,7 @@ def cola_ud(
   noisy = _check_hyperparameters(owner, learning_rate, temperature, key, friction)
 
   def init_fn(params):
-    layout = LeafLayout(owner, constraints, params)
+    layout = LeafLayout(owner, constraints, _without_variables(params))
     auxes = [c.init(p) for c, p in zip(layout.constraints, layout.compute)]
     momenta = [c.zero_momentum(p) for c, p in zip(layout.constraints, layout.compute)]
     return UnderdampedState(
@@ -246,6 +267,7 @@ def cola_ud(
         constraint_states=layout.unflatten(auxes), momentum=layout.unflatten(momenta))
 
   def update_fn(grads, state, params=None):
+    _check_state(owner, state, UnderdampedState)
     layout = LeafLayout(owner, constraints, params)
     grad_leaves = layout.gradients(grads)
     auxes = layout.flatten(state.constraint_states, "state.constraint_states")
