@@ -81,3 +81,14 @@ def concrete_float(value: Any) -> Optional[float]:
     return float(value)
   except (TypeError, jax.errors.ConcretizationTypeError):
     return None
+
+
+def explicit_sharding(x: jax.Array):
+  """``x``'s sharding when its mesh has explicit axes, else None.
+
+  For ``out_sharding=``: under explicit sharding an array created from a shape
+  alone (noise) is replicated unless told otherwise, so every device would
+  draw the whole array; with auto axes (or no mesh) XLA partitions it itself.
+  """
+  sharding = jax.typeof(x).sharding
+  return sharding if sharding.mesh.explicit_axes else None

@@ -16,6 +16,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from cola_jax._numerics import explicit_sharding
+
 Point = Any
 Momentum = Any
 Aux = Any
@@ -125,7 +127,7 @@ class Euclidean(Constraint):
     return grad
 
   def ambient_normal(self, key, point):
-    return jax.random.normal(key, point.shape, point.dtype)
+    return jax.random.normal(key, point.shape, point.dtype, out_sharding=explicit_sharding(point))
 
   def project(self, anchor, step):
     return anchor + step

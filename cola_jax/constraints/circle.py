@@ -28,7 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from cola_jax._numerics import concrete_float, inverse_sqrt, sincos
+from cola_jax._numerics import concrete_float, explicit_sharding, inverse_sqrt, sincos
 from cola_jax.constraints.base import Constraint
 
 
@@ -40,9 +40,10 @@ class CircleState(NamedTuple):
 
   def residual(self, param: jax.Array) -> jax.Array:
     """``max |theta^2 + xi^2 - r^2| / r^2`` and ``max(|theta| - r, 0) / r``."""
-    theta = param.astype(jnp.float32)
-    r = self.radius.astype(jnp.float32)
-    on_circle = jnp.max(jnp.abs(theta**2 + self.slack.astype(jnp.float32)**2 - r**2)) / r**2
+    dtype = jnp.promote_types(param.dtype, jnp.float32)  # float64 stays float64
+    theta = param.astype(dtype)
+    r = self.radius.astype(dtype)
+    on_circle = jnp.max(jnp.abs(theta**2 + self.slack.astype(dtype)**2 - r**2)) / r**2
     outside = jnp.max(jnp.maximum(jnp.abs(theta) - r, 0.0)) / r
     return jnp.maximum(on_circle, outside)
 
@@ -109,7 +110,10 @@ class Circle(Constraint):
 
   def ambient_normal(self, key, point):
     theta, _ = point
-    noise = jax.random.normal(key, (2,) + theta.shape, theta.dtype)
+    sharding = explicit_sharding(theta)
+    if sharding is not None:  # the pair axis in front, unsharded
+      sharding = sharding.update(spec=jax.sharding.PartitionSpec(None, *sharding.spec))
+    noise = jax.random.normal(key, (2,) + theta.shape, theta.dtype, out_sharding=sharding)
     return noise[0], noise[1]
 
   def project(self, anchor, step):
@@ -122,7 +126,7 @@ class Circle(Constraint):
 
   def cotangent_normal(self, key, point):
     theta, _ = point
-    return jax.random.normal(key, theta.shape, theta.dtype)
+    return jax.random.normal(key, theta.shape, theta.dtype, out_sharding=explicit_sharding(theta))
 
   def a_step(self, point, momentum, h):
     theta, xi = point

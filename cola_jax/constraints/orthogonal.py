@@ -40,10 +40,21 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from cola_jax._numerics import concrete_float
+from cola_jax._numerics import concrete_float, explicit_sharding
 from cola_jax.constraints.base import Constraint
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _replicated(x):
+  """``out_sharding`` for a small product reduced over ``x``'s sharded rows.
+
+  Under explicit sharding (the default axis type of ``jax.make_mesh``) a
+  contraction over a sharded axis needs its output sharding; the Gram-sized
+  results here are replicated. Elsewhere (no mesh, auto axes) None: XLA decides.
+  """
+  sharding = explicit_sharding(x)
+  return None if sharding is None else sharding.update(spec=jax.sharding.PartitionSpec())
 
 
 def tall_view(w: jax.Array) -> jax.Array:
@@ -61,14 +72,21 @@ def from_tall_view(q: jax.Array, like: jax.Array) -> jax.Array:
 
 def gram_defect(q: jax.Array) -> jax.Array:
   """``Q^T Q - I`` at full float32 precision on every backend."""
-  gram = jnp.matmul(q.T, q, precision=_HIGHEST)
+  # A small (s, s) matrix, replicated: with rows sharded, an all-reduce of the
+  # per-shard Grams (explicit-sharding meshes require the output sharding).
+  gram = jnp.matmul(q.T, q, precision=_HIGHEST, out_sharding=_replicated(q))
   return gram - jnp.eye(q.shape[1], dtype=q.dtype)
 
 
 def polar_factor(q: jax.Array) -> jax.Array:
   """The nearest matrix with orthonormal columns, ``U V^T`` from ``Q = U S V^T``."""
+  sharding = jax.typeof(q).sharding
+  replicated = _replicated(q)
+  if replicated is not None:  # explicit sharding: the SVD needs the whole matrix
+    q = jax.sharding.reshard(q, replicated)
   u, _, vt = jnp.linalg.svd(q, full_matrices=False)
-  return jnp.matmul(u, vt, precision=_HIGHEST)
+  polar = jnp.matmul(u, vt, precision=_HIGHEST)
+  return polar if replicated is None else jax.sharding.reshard(polar, sharding)
 
 
 def _polar_where(q: jax.Array, needed: jax.Array) -> jax.Array:
@@ -91,8 +109,9 @@ class ProjectionInfo(NamedTuple):
   converged: jax.Array  # False: the tolerance was not met and the polar factor was used
 
   def residual(self, param: jax.Array) -> jax.Array:
-    """``max |Q^T Q - I|`` of the leaf, computed in float32."""
-    return jnp.max(jnp.abs(gram_defect(tall_view(param.astype(jnp.float32)))))
+    """``max |Q^T Q - I|`` of the leaf, computed in at least float32."""
+    dtype = jnp.promote_types(param.dtype, jnp.float32)
+    return jnp.max(jnp.abs(gram_defect(tall_view(param.astype(dtype)))))
 
 
 class StiefelPoint(NamedTuple):
@@ -160,7 +179,8 @@ class Orthogonal(Constraint):
     return tall_view(grad)
 
   def ambient_normal(self, key, point):
-    return jax.random.normal(key, point.matrix.shape, point.matrix.dtype)
+    return jax.random.normal(key, point.matrix.shape, point.matrix.dtype,
+                             out_sharding=explicit_sharding(point.matrix))
 
   def project(self, anchor, step):
     q_n = anchor.matrix
@@ -184,7 +204,7 @@ class Orthogonal(Constraint):
 
   def cotangent(self, point, vector):
     q = point.matrix
-    sym = jnp.matmul(vector.T, q, precision=_HIGHEST)
+    sym = jnp.matmul(vector.T, q, precision=_HIGHEST, out_sharding=_replicated(q))
     return vector - 0.5 * jnp.matmul(q, sym + sym.T, precision=_HIGHEST)
 
   def cotangent_normal(self, key, point):
