@@ -124,6 +124,7 @@ def c_cola_ud(
     mask: MaskOrFn = None,
     temperature: optax.ScalarOrSchedule = 0.0,
     key: Optional[jax.Array] = None,
+    splitting: str = "OBA",
 ) -> optax.GradientTransformation:
   """c-CoLA-ud: underdamped Langevin (OBA) with ``|theta| <= radius`` per weight.
 
@@ -137,12 +138,13 @@ def c_cola_ud(
     mask: as for :func:`c_cola_od`.
     temperature: ``tau >= 0``, a number or an optax schedule.
     key: a JAX PRNG key, required unless ``temperature`` is exactly 0.
+    splitting: ``"OBA"`` (the paper's) or ``"BAOAB"``; see :func:`cola_jax.cola_ud`.
 
   Returns:
     :func:`cola_jax.cola_ud` with :class:`cola_jax.Circle` constraints.
   """
   return cola_ud(learning_rate, friction=friction, constraints=circle_constraints(radius, mask=mask, owner="c_cola_ud"),
-                 temperature=temperature, key=key)
+                 temperature=temperature, key=key, splitting=splitting)
 
 
 def o_cola_od(
@@ -184,6 +186,7 @@ def o_cola_ud(
     key: Optional[jax.Array] = None,
     tolerance: float = 1e-6,
     max_iterations: int = 20,
+    splitting: str = "OBA",
 ) -> optax.GradientTransformation:
   """o-CoLA-ud: underdamped Langevin (OBA, RATTLE A step) with orthonormal weights.
 
@@ -193,6 +196,7 @@ def o_cola_ud(
     mask: as for :func:`o_cola_od`.
     temperature: ``tau >= 0``, a number or an optax schedule.
     key: a JAX PRNG key, required unless ``temperature`` is exactly 0.
+    splitting: ``"OBA"`` (the paper's) or ``"BAOAB"``; see :func:`cola_jax.cola_ud`.
     tolerance: projection tolerance on ``max |Q^T Q - I|``.
     max_iterations: bound on quasi-Newton iterations per projection.
 
@@ -203,7 +207,7 @@ def o_cola_ud(
       mask=mask, tolerance=tolerance, max_iterations=max_iterations, owner="o_cola_ud")
   return cola_ud(learning_rate, friction=friction,
                  constraints=constraints,
-                 temperature=temperature, key=key)
+                 temperature=temperature, key=key, splitting=splitting)
 
 
 def sgd_momentum_to_langevin(learning_rate: float, momentum: float) -> tuple[float, float]:

@@ -19,7 +19,7 @@ Underdamped, split into
   \quad B:\ p \leftarrow p - h\, \Pi(q) \nabla V(q),
   \quad A:\ \text{free flight on } M \text{ for time } h,
 
-composed in the order O, B, A. The invariant measure of both dynamics has
+composed in the order O, B, A (the paper's OBA), or as BAOAB. The invariant measure of both dynamics has
 density proportional to ``exp(-V / tau)`` with respect to the surface measure
 of ``M`` (times the Gaussian in ``p`` for the underdamped one).
 
@@ -104,3 +104,34 @@ def oba_step(
   momentum = o_step(constraint, point, momentum, decay, noise_scale, key)
   momentum = b_step(constraint, point, momentum, grad, h)
   return a_step(constraint, point, momentum, h)
+
+
+def baoab_step(
+    constraint: Constraint,
+    point: Point,
+    momentum: Momentum,
+    grad: jax.Array,
+    h,
+    kick,
+    decay,
+    noise_scale=None,
+    key: Optional[jax.Array] = None,
+) -> tuple[Point, Momentum]:
+  """One BAOAB step, written as B A O A with the kick ``kick``.
+
+  BAOAB's closing half kick ``B(h/2)`` needs the gradient at the new point,
+  which an optimizer only receives at its next call. Merging it with the next
+  step's opening half kick gives ``B(h) A(h/2) O A(h/2)`` per call, with
+  ``kick = h/2`` on the first call and ``h`` afterwards: the positions are
+  BAOAB's exactly, and the stored momentum is the one before the closing half
+  kick.
+
+  References:
+    Leimkuhler and Matthews, *Rational construction of stochastic numerical
+    methods for molecular sampling*, AMRX 2013 (BAOAB's configurational
+    accuracy).
+  """
+  momentum = b_step(constraint, point, momentum, grad, kick)
+  point, momentum = a_step(constraint, point, momentum, h / 2)
+  momentum = o_step(constraint, point, momentum, decay, noise_scale, key)
+  return a_step(constraint, point, momentum, h / 2)
