@@ -15,7 +15,15 @@ from cola_jax.alias import (
     orthogonal_constraints,
     sgd_momentum_to_langevin,
 )
-from cola_jax.constraints import Circle, CircleState, Constraint, Orthogonal, ProjectionInfo
+from cola_jax.constraints import (
+    Circle,
+    CircleState,
+    Constraint,
+    Orthogonal,
+    ProjectionInfo,
+    Sphere,
+    SphereState,
+)
 from cola_jax.diagnostics import constraint_residuals
 from cola_jax.initialization import project_params
 from cola_jax.transforms import OverdampedState, UnderdampedState, cola_od, cola_ud
@@ -29,6 +37,8 @@ __all__ = [
     "Orthogonal",
     "OverdampedState",
     "ProjectionInfo",
+    "Sphere",
+    "SphereState",
     "UnderdampedState",
     "c_cola_od",
     "c_cola_ud",

@@ -1,0 +1,292 @@
+r"""Sphere (max-norm) constraint: ``|w_j| <= r`` for every unit, through one slack each.
+
+The incoming weights ``w_j in R^n`` of unit ``j`` get one slack ``xi_j`` with
+
+.. math::
+  g(w_j, \xi_j) = |w_j|^2 + \xi_j^2 - r^2 = 0,
+
+so ``q_j = (w_j, xi_j)`` moves on the sphere ``S^n`` of radius ``r`` in
+``R^{n+1}`` and the max-norm bound ``|w_j| <= r`` holds without clipping. For a
+Flax ``Dense`` kernel ``(in, out)`` the unit is the column ``kernel[:, j]``
+(the norm is over every axis but the last); a conv kernel ``(kh, kw, in, out)``
+gets one slack per output filter. ``axis`` chooses other axes. With one weight
+per unit (``n = 1``) this is exactly :class:`~cola_jax.Circle`.
+
+Momentum. The cotangent space at ``q_j`` has dimension ``n``, as many as the
+unit has weights, so the momentum is stored shaped like the leaf, as the
+coordinates ``u_j in R^n`` of ``p_j`` in a frame that depends on the point:
+with ``e = (0, ..., 0, 1)`` (the pole ``w = 0, xi = r``, whose tangent space is
+the ``w`` space) and ``x = q_j / r``,
+
+.. math::
+  p_j = R_x (u_j, 0), \qquad
+  R_x = I - \frac{(e + x)(e + x)^T}{1 + e \cdot x} + 2 x e^T,
+
+the rotation in the plane of ``e`` and ``x`` that takes ``e`` to ``x``
+(parallel transport along the great circle from the pole). It is an isometry
+onto the cotangent space, so the projected noise is one standard normal per
+weight and ``|p_j| = |u_j|``. Explicitly, with ``k = 1 / (r (r + xi))``,
+
+.. math::
+  p^w = u - k (w \cdot u)\, w, \qquad p^\xi = -(w \cdot u) / r,
+
+and the coordinates of the projection ``Pi_q v`` of an ambient vector
+``v = (v^w, v^xi)`` are ``v^w - (v^xi / r + k\, w \cdot v^w)\, w``. For
+``n = 1`` this is the circle's ``p = u (xi, -theta) / r``. The frame is smooth
+except at the antipodal pole ``w = 0, xi = -r`` (a sphere ``S^n``, ``n >= 2``,
+has no smooth frame everywhere); for ``xi < 0`` the coefficient is evaluated
+as ``k = (r - xi) / (r |w|^2)``, equal on the sphere and well conditioned up to
+that single point, where any frame serves (``w = 0`` there).
+
+The A step is the exact geodesic (great-circle) flow: with ``|p| = |u|`` and
+``phi = h |p| / r``,
+
+.. math::
+  q(h) = \cos\phi\, q + \sin\phi\, r\, p / |p|, \qquad
+  p(h) = \cos\phi\, p - \sin\phi\, |p|\, q / r,
+
+and ``p(h)`` is stored in the frame at ``q(h)``. The overdamped projection is
+the orthogonal (radial) one, ``r q / |q|``; the ambient gradient is ``(g, 0)``
+and the ambient noise independent normals on ``w`` and ``xi``.
+
+References:
+  Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of
+  Neural Networks*, OPT2020 (the max-norm constraint, mentioned there and
+  not worked out).
+  Leimkuhler and Matthews, *Efficient molecular dynamics using geodesic
+  integration and solvent-solute splitting*, Proc. R. Soc. A, 2016.
+"""
+
+import dataclasses
+import operator
+from typing import NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+
+from cola_jax._numerics import concrete_float, explicit_sharding, inverse_sqrt, sincos
+from cola_jax.constraints.base import Constraint
+
+# Unpack keeps |w_j|^2 <= r^2 (1 - _MARGIN eps) so that norms recomputed in
+# another summation order (or in float64) do not exceed r: a relative change of
+# at most _MARGIN / 2 ulp, on units whose slack is below ~sqrt(_MARGIN eps) r.
+_MARGIN = 4
+
+
+class SphereState(NamedTuple):
+  """Auxiliary state of a sphere-constrained leaf."""
+
+  # xi, shaped like the weight with the reduced axes kept as size 1: (1, out)
+  # for a Dense kernel (in, out), (1, 1, 1, out) for a conv kernel.
+  slack: jax.Array
+  radius: jax.Array  # r, a scalar
+
+  def residual(self, param: jax.Array) -> jax.Array:
+    """``max_j ||w_j|^2 + xi_j^2 - r^2| / r^2`` and ``max_j max(|w_j| - r, 0) / r``."""
+    dtype = jnp.promote_types(param.dtype, jnp.float32)  # float64 stays float64
+    w = param.astype(dtype)
+    xi = self.slack.astype(dtype)
+    r = self.radius.astype(dtype)
+    # The reduced axes are those of size 1 in the slack (summing over an axis
+    # of size 1 in both changes nothing).
+    axes = tuple(i for i, size in enumerate(xi.shape) if size == 1)
+    norm2 = jnp.sum(w * w, axis=axes, keepdims=True)
+    on_sphere = jnp.max(jnp.abs(norm2 + xi * xi - r * r)) / (r * r)
+    outside = jnp.max(jnp.maximum(jnp.sqrt(norm2) - r, 0.0)) / r
+    return jnp.maximum(on_sphere, outside)
+
+
+def _normalize_axis(axis) -> Optional[tuple[int, ...]]:
+  if axis is None:
+    return None
+  if isinstance(axis, (list, tuple)):
+    items = tuple(axis)
+  else:
+    items = (axis,)
+  out = []
+  for a in items:
+    if isinstance(a, bool):
+      raise TypeError(f"Sphere: axis must be None, an int or a tuple of ints, got {axis!r}.")
+    try:
+      out.append(operator.index(a))
+    except TypeError:
+      raise TypeError(
+          f"Sphere: axis must be None, an int or a tuple of ints, got {axis!r}.") from None
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sphere(Constraint):
+  """``|w_j| <= radius`` for every unit ``j``, as ``|w_j|^2 + xi_j^2 = radius^2``.
+
+  Args:
+    radius: the bound ``r > 0`` on the Euclidean norm of each unit's weights.
+    axis: the axes of the leaf that the norm is taken over (an int or a tuple,
+      negative values count from the end). ``None`` (default): every axis but
+      the last, so a Dense kernel ``(in, out)`` has one unit per column and a
+      conv kernel ``(kh, kw, in, out)`` one per output filter. For a 1-d leaf
+      the default reduces nothing (every entry its own unit: the circle); pass
+      ``axis=0`` to bound the norm of the whole vector.
+
+  Units with ``|w_j| > r`` are scaled onto the ball's boundary by the first
+  update (their slack starts at 0); the others start with
+  ``xi_j = +sqrt(r^2 - |w_j|^2)``. The slack (``SphereState.slack``) keeps the
+  reduced axes with size 1, e.g. ``(1, out)`` for a Dense kernel. The momentum
+  of ``cola_ud`` is stored shaped like the leaf, as coordinates in a frame
+  transported from the pole (see the module docstring).
+
+  Example:
+    >>> import cola_jax as cola
+    >>> tx = cola.cola_ud(0.3, friction=1.0,
+    ...                   constraints={'kernel': cola.Sphere(1.0), 'bias': None})
+  """
+
+  radius: float
+  axis: Union[None, int, tuple[int, ...]] = None
+
+  def __post_init__(self):
+    r = concrete_float(self.radius)
+    if r is not None and not r > 0:
+      raise ValueError(f"Sphere: radius must be positive, got {self.radius!r}.")
+    axis = _normalize_axis(self.axis)
+    if axis is not None and len(set(axis)) != len(axis):
+      raise ValueError(f"Sphere: axis {self.axis!r} repeats an axis.")
+    object.__setattr__(self, "axis", axis)  # lists become tuples: hashable
+
+  # Axes.
+
+  def _axes(self, ndim: int) -> tuple[int, ...]:
+    """The reduced axes, non-negative and sorted, for a leaf of rank ``ndim``."""
+    if self.axis is None:
+      return tuple(range(ndim - 1))
+    return tuple(sorted(a % ndim for a in self.axis))
+
+  def validate(self, param, path):
+    if self.axis is None:
+      return
+    ndim = param.ndim
+    bad = [a for a in self.axis if not -ndim <= a < ndim]
+    if bad:
+      raise ValueError(
+          f"Sphere constraint on the leaf at {path}, of shape {param.shape}: "
+          f"axis {bad[0] if len(bad) == 1 else tuple(bad)} is out of range for a leaf "
+          f"of rank {ndim} (axis={self.axis}).")
+    if len({a % ndim for a in self.axis}) != len(self.axis):
+      raise ValueError(
+          f"Sphere constraint on the leaf at {path}, of shape {param.shape}: "
+          f"axis {self.axis!r} names the same axis twice.")
+
+  def _dot(self, a, b):
+    """Per-unit inner product, reduced axes kept with size 1."""
+    return jnp.sum(a * b, axis=self._axes(a.ndim), keepdims=True)
+
+  # The manifold.
+
+  def init(self, param):
+    r = jnp.asarray(self.radius, param.dtype)
+    w = self._into_ball(param, r)
+    norm2 = self._dot(w, w)
+    return SphereState(slack=jnp.sqrt(jnp.maximum(r * r - norm2, 0)), radius=r)
+
+  def _into_ball(self, w, r):
+    """Units with ``|w_j| > r`` scaled radially onto ``|w_j| = r``."""
+    norm2 = self._dot(w, w)
+    outside = norm2 > r * r
+    scale = r * inverse_sqrt(jnp.where(outside, norm2, jnp.ones_like(norm2)))
+    return jnp.where(outside, w * scale, w)
+
+  def point(self, param, aux):
+    r = jnp.asarray(self.radius, param.dtype)
+    # As the circle clips: the slack is kept from the state, then the pair is
+    # normalised, so that rounding in params + updates moves nothing.
+    return self._onto_sphere(self._into_ball(param, r), aux.slack.astype(param.dtype))
+
+  def _onto_sphere(self, w, xi):
+    """Radial projection ``r (w, xi) / |(w, xi)|`` per unit; ``(0, r)`` at the origin."""
+    r = jnp.asarray(self.radius, w.dtype)
+    z = (self._dot(w, w) + xi * xi) * (1 / (r * r))  # |(w, xi)|^2 / r^2
+    degenerate = z < jnp.finfo(w.dtype).tiny
+    xi = jnp.where(degenerate, r, xi)
+    w = jnp.where(degenerate, jnp.zeros_like(w), w)
+    scale = inverse_sqrt(jnp.where(degenerate, jnp.ones_like(z), z))
+    return w * scale, xi * scale
+
+  def unpack(self, point, param):
+    w, xi = point
+    r = jnp.asarray(self.radius, w.dtype)
+    # Rounding in the normalisation can leave |w_j| an ulp above r.
+    limit = r * r * (1 - _MARGIN * jnp.finfo(w.dtype).eps)
+    norm2 = self._dot(w, w)
+    above = norm2 > limit
+    scale = jnp.sqrt(limit) * inverse_sqrt(jnp.where(above, norm2, jnp.ones_like(norm2)))
+    w = jnp.where(above, w * scale, w)
+    return w, SphereState(slack=xi, radius=r)
+
+  def ambient_gradient(self, point, grad):
+    _, xi = point
+    return grad, jnp.zeros_like(xi)
+
+  def ambient_normal(self, key, point):
+    w, xi = point
+    key_w, key_xi = jax.random.split(key)
+    return (
+        jax.random.normal(key_w, w.shape, w.dtype, out_sharding=explicit_sharding(w)),
+        jax.random.normal(key_xi, xi.shape, xi.dtype, out_sharding=explicit_sharding(xi)),
+    )
+
+  def project(self, anchor, step):
+    return self._onto_sphere(anchor[0] + step[0], anchor[1] + step[1])
+
+  # The frame: momentum coordinates u (shaped like w) <-> cotangent vectors.
+
+  def _frame_coefficient(self, w, xi):
+    """``k = 1 / (r (r + xi))``, as ``(r - xi) / (r |w|^2)`` when ``xi < 0``."""
+    r = jnp.asarray(self.radius, w.dtype)
+    norm2 = self._dot(w, w)
+    north = 1 / (r * (r + jnp.maximum(xi, 0)))
+    # At the antipodal pole w = 0 the coefficient multiplies w: any finite value.
+    south_ok = norm2 > jnp.finfo(w.dtype).tiny * (r * r)
+    south = (r - xi) / (r * jnp.where(south_ok, norm2, jnp.ones_like(norm2)))
+    return jnp.where(xi >= 0, north, jnp.where(south_ok, south, jnp.zeros_like(south)))
+
+  def _to_vector(self, point, u, k=None):
+    """The cotangent vector ``(p^w, p^xi)`` with coordinates ``u`` at ``point``."""
+    w, xi = point
+    k = self._frame_coefficient(w, xi) if k is None else k
+    a = self._dot(w, u)
+    return u - (k * a) * w, -a * (1 / jnp.asarray(self.radius, w.dtype))
+
+  def _coordinates(self, point, vector, k=None):
+    """The coordinates of ``Pi_q vector`` (the orthogonal projection) at ``point``."""
+    w, xi = point
+    v_w, v_xi = vector
+    k = self._frame_coefficient(w, xi) if k is None else k
+    r = jnp.asarray(self.radius, w.dtype)
+    return v_w - (v_xi * (1 / r) + k * self._dot(w, v_w)) * w
+
+  def cotangent(self, point, vector):
+    return self._coordinates(point, vector)
+
+  def cotangent_normal(self, key, point):
+    w, _ = point
+    return jax.random.normal(key, w.shape, w.dtype, out_sharding=explicit_sharding(w))
+
+  def momentum_vector(self, point, momentum):
+    """The cotangent vector ``(p^w, p^xi)`` of a momentum in stored coordinates."""
+    return self._to_vector(point, momentum)
+
+  def a_step(self, point, momentum, h):
+    w, xi = point
+    r = jnp.asarray(self.radius, w.dtype)
+    p_w, p_xi = self._to_vector(point, momentum)
+    speed2 = self._dot(momentum, momentum)  # |p|^2 = |u|^2: the frame is an isometry
+    speed = jnp.sqrt(speed2)
+    phi = speed * (h * (1 / r))
+    sin, cos = sincos(phi)
+    moving = phi > 0
+    sinc = jnp.where(moving, sin / jnp.where(moving, phi, jnp.ones_like(phi)), jnp.ones_like(phi))
+    along = h * sinc  # sin(phi) r / |p|
+    back = speed2 * along * (1 / (r * r))  # sin(phi) |p| / r
+    new_point = (cos * w + along * p_w, cos * xi + along * p_xi)
+    new_vector = (cos * p_w - back * w, cos * p_xi - back * xi)
+    return new_point, self._coordinates(new_point, new_vector)
