@@ -67,12 +67,12 @@ import gzip
 import json
 import math
 import os
-import platform
 import shlex
 import struct
+import pathlib
 import sys
 import time
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
@@ -82,6 +82,9 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import cola_jax as cola  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
+from _common import finite_list, machine_info, mean_std, torch_uniform  # noqa: E402
 
 SCHEMA_VERSION = 1
 DEFAULT_DATA_DIR = "/usr/share/datasets/fashion-mnist"
@@ -263,11 +266,6 @@ def make_data(config: Config, data_dir: Optional[str] = None, allow_synthetic: b
 # ----------------------------------------------------------------------------- model
 
 
-def torch_uniform(key, shape, fan_in):
-  bound = 1.0 / math.sqrt(fan_in)
-  return jax.random.uniform(key, shape, jnp.float32, -bound, bound)
-
-
 def init_mlp(key: jax.Array, hidden: int = 1000) -> dict:
   """784-hidden-10, PyTorch ``nn.Linear`` default init for weights and biases."""
   params = {}
@@ -369,21 +367,6 @@ def build(method: str, config: Config):
 # ----------------------------------------------------------------------------- reporting
 
 
-def _finite_list(a) -> Any:
-  """A JSON-safe list: non-finite numbers become ``None``."""
-  a = np.asarray(a, dtype=float)
-  if a.ndim == 0:
-    return None if not np.isfinite(a) else float(a)
-  return [_finite_list(v) for v in a]
-
-
-def _mean_std(values) -> tuple[float, float]:
-  a = np.array([np.nan if v is None else v for v in values], dtype=float)
-  if not np.any(np.isfinite(a)):
-    return float("nan"), float("nan")
-  return float(np.nanmean(a)), float(np.nanstd(a))
-
-
 def _nan(rows):
   return np.array([[np.nan if v is None else v for v in row] for row in rows], dtype=float)
 
@@ -392,7 +375,7 @@ def summarize(entry: dict) -> dict:
   out = {}
   for key in ("test_accuracy", "test_loss", "best_test_accuracy", "min_test_loss", "train_accuracy",
               "train_loss"):
-    out[key + "_mean"], out[key + "_std"] = _mean_std(entry[key])
+    out[key + "_mean"], out[key + "_std"] = mean_std(entry[key])
   return json.loads(json.dumps(out).replace("NaN", "null"))
 
 
@@ -406,9 +389,9 @@ def summary_table(results: dict, methods: Sequence[str]) -> str:
     cells = []
     for key, scale, fmt in (("test_accuracy", 100, "6.2f"), ("best_test_accuracy", 100, "6.2f"),
                             ("test_loss", 1, "6.3f"), ("min_test_loss", 1, "6.3f")):
-      mean, std = _mean_std(r[key])
+      mean, std = mean_std(r[key])
       cells.append(f"{scale * mean:{fmt}} ± {scale * std:{'5.2f' if scale == 100 else '5.3f'}}")
-    tr, _ = _mean_std(r["train_accuracy"])
+    tr, _ = mean_std(r["train_accuracy"])
     pub = PUBLISHED.get(m)
     pub_s = f"{pub[0]:.2f} % / {pub[1]:.3f}" if pub else "-"
     lines.append(f"{describe(m):<{name_w}}  " + "  ".join(f"{c:>16}" for c in cells)
@@ -445,21 +428,6 @@ def plot(results: dict, config: dict, path: str, data_info: dict) -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
-
-
-def machine_info() -> dict:
-  info = {"platform": platform.platform(), "machine": platform.machine(),
-          "processor": platform.processor(), "python": platform.python_version(),
-          "cpu_count": os.cpu_count(), "jax_backend": jax.default_backend(),
-          "jax_devices": [str(d) for d in jax.devices()]}
-  try:
-    with open("/proc/cpuinfo") as f:
-      names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    if names:
-      info["cpu_model"] = names[0]
-  except OSError:
-    pass
-  return info
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -530,19 +498,19 @@ def _entry(hist: list, timing: dict, method: str) -> dict:
     return {}
   test_acc, test_loss = stack["test_accuracy"], stack["test_loss"]
   entry = {
-      "test_accuracy": _finite_list(test_acc[-1]),
-      "test_loss": _finite_list(test_loss[-1]),
-      "best_test_accuracy": _finite_list(np.nanmax(test_acc, axis=0)),
+      "test_accuracy": finite_list(test_acc[-1]),
+      "test_loss": finite_list(test_loss[-1]),
+      "best_test_accuracy": finite_list(np.nanmax(test_acc, axis=0)),
       "best_test_accuracy_epoch": [int(timing["epochs"][i]) for i in np.nanargmax(test_acc, axis=0)],
-      "min_test_loss": _finite_list(np.nanmin(test_loss, axis=0)),
+      "min_test_loss": finite_list(np.nanmin(test_loss, axis=0)),
       "min_test_loss_epoch": [int(timing["epochs"][i]) for i in np.nanargmin(test_loss, axis=0)],
-      "train_accuracy": _finite_list(stack["train_accuracy"][-1]),
-      "train_loss": _finite_list(stack["train_loss"][-1]),
-      "last_epoch_mean_batch_loss": _finite_list(stack["epoch_mean_batch_loss"][-1]),
-      "max_abs_weight": {k[len("max_abs_w_"):]: _finite_list(stack[k][-1]) for k in stack
+      "train_accuracy": finite_list(stack["train_accuracy"][-1]),
+      "train_loss": finite_list(stack["train_loss"][-1]),
+      "last_epoch_mean_batch_loss": finite_list(stack["epoch_mean_batch_loss"][-1]),
+      "max_abs_weight": {k[len("max_abs_w_"):]: finite_list(stack[k][-1]) for k in stack
                          if k.startswith("max_abs_w_")},
       "history": {"epoch": list(timing["epochs"]),
-                  **{k: _finite_list(stack[k]) for k in
+                  **{k: finite_list(stack[k]) for k in
                      ("test_accuracy", "test_loss", "train_accuracy", "train_loss")}},
       "compile_time_s": timing["compile_s"],
       "run_time_s": timing["run_s"],

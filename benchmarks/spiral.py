@@ -51,10 +51,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
-import platform
 import shlex
+import pathlib
 import sys
 import time
 from typing import Any, Callable, NamedTuple, Optional, Sequence
@@ -67,6 +66,9 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import cola_jax as cola  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
+from _common import finite_list, machine_info, mean_std, torch_uniform  # noqa: E402
 
 SCHEMA_VERSION = 1
 
@@ -140,11 +142,6 @@ def layer_sizes(depth: int, width: int = 100) -> list[tuple[int, int]]:
   """``(fan_in, fan_out)`` of the ``depth + 1`` layers of the MLP."""
   dims = [2] + [width] * depth + [1]
   return list(zip(dims[:-1], dims[1:]))
-
-
-def torch_uniform(key, shape, fan_in):
-  bound = 1.0 / math.sqrt(fan_in)
-  return jax.random.uniform(key, shape, jnp.float32, -bound, bound)
 
 
 def is_hidden(index: int, depth: int) -> bool:
@@ -363,21 +360,6 @@ def train(methods: Sequence[str], depth: int, config: Config, data=None,
 # ----------------------------------------------------------------------------- reporting
 
 
-def _finite_list(a) -> list:
-  """A JSON-safe list: non-finite numbers become ``None``."""
-  a = np.asarray(a, dtype=float)
-  if a.ndim == 0:
-    return None if not np.isfinite(a) else float(a)
-  return [_finite_list(v) for v in a]
-
-
-def _mean_std(values) -> tuple[float, float]:
-  a = np.array([np.nan if v is None else v for v in values], dtype=float)
-  if not np.any(np.isfinite(a)):
-    return float("nan"), float("nan")
-  return float(np.nanmean(a)), float(np.nanstd(a))
-
-
 def summary_table(results: dict, methods: Sequence[str], depths: Sequence[int]) -> str:
   """Method x depth: test accuracy mean +- std (%), final train loss mean +- std."""
   name_w = max(len(METHODS[m]) for m in methods)
@@ -386,9 +368,9 @@ def summary_table(results: dict, methods: Sequence[str], depths: Sequence[int]) 
   for m in methods:
     for d in depths:
       r = results[m][str(d)]
-      acc_m, acc_s = _mean_std(r["test_accuracy"])
-      tl_m, tl_s = _mean_std(r["train_loss"])
-      te_m, te_s = _mean_std(r["test_loss"])
+      acc_m, acc_s = mean_std(r["test_accuracy"])
+      tl_m, tl_s = mean_std(r["train_loss"])
+      te_m, te_s = mean_std(r["test_loss"])
       lines.append(f"{METHODS[m]:<{name_w}}  {d:>5}  {100 * acc_m:7.2f} ± {100 * acc_s:5.2f}"
                    f"  {tl_m:8.4f} ± {tl_s:6.4f}  {te_m:8.4f} ± {te_s:6.4f}")
     lines.append("")
@@ -406,7 +388,7 @@ def plot(results: dict, config: dict, path: str) -> None:
   offsets = np.linspace(-0.15, 0.15, len(methods)) if len(methods) > 1 else [0.0]
   for off, m in zip(offsets, methods):
     for ax, key, scale in ((axes[0], "test_accuracy", 100), (axes[1], "train_loss", 1)):
-      stats = [_mean_std(results[m][str(d)][key]) for d in depths]
+      stats = [mean_std(results[m][str(d)][key]) for d in depths]
       mean = np.array([s[0] for s in stats]) * scale
       std = np.array([s[1] for s in stats]) * scale
       ax.errorbar(np.array(depths) + off, mean, yerr=std, marker="o", ms=4, capsize=3,
@@ -439,21 +421,6 @@ def plot(results: dict, config: dict, path: str) -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
-
-
-def machine_info() -> dict:
-  info = {"platform": platform.platform(), "machine": platform.machine(),
-          "processor": platform.processor(), "python": platform.python_version(),
-          "cpu_count": os.cpu_count(), "jax_backend": jax.default_backend(),
-          "jax_devices": [str(d) for d in jax.devices()]}
-  try:
-    with open("/proc/cpuinfo") as f:
-      names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    if names:
-      info["cpu_model"] = names[0]
-  except OSError:
-    pass
-  return info
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -560,23 +527,23 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         hist = hists[name]
         final = {k: v[-1] for k, v in hist.items() if k != "epoch"}
         entry = {
-            "test_accuracy": _finite_list(final["test_accuracy"]),
-            "test_loss": _finite_list(final["test_loss"]),
-            "train_accuracy": _finite_list(final["train_accuracy"]),
-            "train_loss": _finite_list(final["train_loss"]),
-            "last_epoch_mean_batch_loss": _finite_list(final["epoch_mean_batch_loss"]),
+            "test_accuracy": finite_list(final["test_accuracy"]),
+            "test_loss": finite_list(final["test_loss"]),
+            "train_accuracy": finite_list(final["train_accuracy"]),
+            "train_loss": finite_list(final["train_loss"]),
+            "last_epoch_mean_batch_loss": finite_list(final["epoch_mean_batch_loss"]),
             "history": {"epoch": hist["epoch"],
-                        **{k: _finite_list(hist[k]) for k in
+                        **{k: finite_list(hist[k]) for k in
                            ("test_accuracy", "test_loss", "train_accuracy", "train_loss")}},
             "group_compile_time_s": timing["compile_s"],
             "group_run_time_s": timing["run_s"],
             "group": names,
         }
         if group == "ocola":
-          entry["max_orthogonality_defect"] = _finite_list(final["max_orthogonality_defect"])
+          entry["max_orthogonality_defect"] = finite_list(final["max_orthogonality_defect"])
           entry["projection_fallbacks"] = [int(v) for v in final["projection_fallbacks"]]
         results[name][str(depth)] = entry
-        acc_m, acc_s = _mean_std(entry["test_accuracy"])
+        acc_m, acc_s = mean_std(entry["test_accuracy"])
         bar.write(f"p={depth:2d} {name:<13} test acc {100 * acc_m:6.2f} ± {100 * acc_s:5.2f} %")
       bar.write(f"      ({'+'.join(names)}: compile {timing['compile_s']:.1f} s, "
                 f"run {timing['run_s']:.1f} s)")
@@ -592,9 +559,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                  "data": "one data set (data_seed) shared by all methods and seeds; seed s fixes "
                          "init, minibatch order and noise, the same for every method"}
   summary = {m: {str(d): dict(zip(("test_accuracy_mean", "test_accuracy_std"),
-                                  _mean_std(results[m][str(d)]["test_accuracy"])))
+                                  mean_std(results[m][str(d)]["test_accuracy"])))
                  | dict(zip(("train_loss_mean", "train_loss_std"),
-                            _mean_std(results[m][str(d)]["train_loss"])))
+                            mean_std(results[m][str(d)]["train_loss"])))
                  for d in config.depths} for m in config.methods}
   out = {
       "schema_version": SCHEMA_VERSION,

@@ -45,7 +45,7 @@ import datetime
 import json
 import math
 import os
-import platform
+import pathlib
 import sys
 import time
 from typing import Any, Callable, NamedTuple
@@ -58,6 +58,9 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import cola_jax as cola  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
+from _common import machine_info  # noqa: E402
 
 RESULT_KEYS = ("model", "method", "baseline", "temperature", "kind", "method_ms",
                "baseline_ms", "ratio", "ratio_of_paired", "method_iqr_ms",
@@ -249,29 +252,6 @@ def targets_from(results) -> list[dict]:
     out.append({"name": name, "value": value, "limit": limit,
                 "met": None if value is None else bool(value <= limit)})
   return out
-
-
-def machine_info() -> dict:
-  info = {
-      "platform": platform.platform(), "processor": platform.processor(),
-      "machine": platform.machine(), "python": sys.version.split()[0],
-      "cpu_count": os.cpu_count(), "jax": jax.__version__, "optax": optax.__version__,
-      "cola_jax": getattr(cola, "__version__", None), "backend": jax.default_backend(),
-      "devices": [str(d) for d in jax.devices()],
-      "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"),
-      "XLA_FLAGS": os.environ.get("XLA_FLAGS"),
-  }
-  try:
-    with open("/proc/cpuinfo") as f:
-      names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    info["cpu_model"] = names[0] if names else None
-  except OSError:
-    pass
-  try:
-    info["loadavg_at_start"] = os.getloadavg()
-  except OSError:
-    pass
-  return info
 
 
 def plot(results, path):

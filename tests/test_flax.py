@@ -100,13 +100,11 @@ def test_project_params_starts_the_linen_model_on_the_manifold():
 
 @pytest.mark.parametrize("spec", ["prefix", "callable"])
 def test_linen_train_state_trains_on_the_manifold(spec):
-  constraints = LINEN_CONSTRAINTS
-  if spec == "callable":
-    # The same assignment, derived from the parameter paths.
-    def constraints(params):
-      return {name: {"kernel": cola.Orthogonal() if name == "conv" else cola.Circle(RADIUS), "bias": None}
-              for name in params}
-  state, loss_fn = linen_setup(constraints)
+  def by_layer_name(params):  # the same assignment, derived from the parameter names
+    return {name: {"kernel": cola.Orthogonal() if name == "conv" else cola.Circle(RADIUS), "bias": None}
+            for name in params}
+
+  state, loss_fn = linen_setup(LINEN_CONSTRAINTS if spec == "prefix" else by_layer_name)
 
   @jax.jit
   def train_step(state):

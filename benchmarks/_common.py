@@ -1,0 +1,59 @@
+"""Helpers shared by the benchmark and reproduction scripts."""
+
+import math
+import os
+import platform
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import cola_jax
+
+
+def machine_info() -> dict:
+  """Where a result was measured: platform, CPU, versions, thread settings, load."""
+  info = {
+      "platform": platform.platform(), "processor": platform.processor(),
+      "machine": platform.machine(), "python": sys.version.split()[0],
+      "cpu_count": os.cpu_count(), "jax": jax.__version__, "optax": optax.__version__,
+      "cola_jax": cola_jax.__version__, "backend": jax.default_backend(),
+      "devices": [str(d) for d in jax.devices()],
+      "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"),
+      "XLA_FLAGS": os.environ.get("XLA_FLAGS"),
+  }
+  try:
+    with open("/proc/cpuinfo") as f:
+      names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    info["cpu_model"] = names[0] if names else None
+  except OSError:
+    pass
+  try:
+    info["loadavg_at_start"] = os.getloadavg()
+  except OSError:
+    pass
+  return info
+
+
+def torch_uniform(key, shape, fan_in):
+  """PyTorch's default init for linear layers: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+  bound = 1.0 / math.sqrt(fan_in)
+  return jax.random.uniform(key, shape, jnp.float32, -bound, bound)
+
+
+def finite_list(a):
+  """A JSON-safe nested list: non-finite numbers become ``None``."""
+  a = np.asarray(a, dtype=float)
+  if a.ndim == 0:
+    return None if not np.isfinite(a) else float(a)
+  return [finite_list(v) for v in a]
+
+
+def mean_std(values) -> tuple[float, float]:
+  """Mean and standard deviation ignoring ``None``/NaN; NaNs when nothing is finite."""
+  a = np.array([np.nan if v is None else v for v in values], dtype=float)
+  if not np.any(np.isfinite(a)):
+    return float("nan"), float("nan")
+  return float(np.nanmean(a)), float(np.nanstd(a))
