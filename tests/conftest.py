@@ -1,9 +1,12 @@
+import importlib.util
 import os
+import pathlib
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
 import pytest  # noqa: E402
 
 
@@ -47,3 +50,54 @@ def mlp_problem():
     return jnp.mean((mlp_apply(p, xb) - yb) ** 2)
 
   return params, loss
+
+
+def cnn_params(key):
+  """A conv kernel (3,3,2,4) = 18x4 tall, then tall, wide and square dense layers."""
+  k = jax.random.split(key, 5)
+  return {
+      "conv": {"kernel": 0.3 * jax.random.normal(k[0], (3, 3, 2, 4)), "bias": jnp.zeros(4)},
+      "tall": {"kernel": 0.3 * jax.random.normal(k[1], (16, 6)), "bias": jnp.zeros(6)},
+      "wide": {"kernel": 0.3 * jax.random.normal(k[2], (6, 10)), "bias": jnp.zeros(10)},
+      "square": {"kernel": 0.3 * jax.random.normal(k[3], (10, 10)), "bias": jnp.zeros(10)},
+      "out": {"kernel": 0.3 * jax.random.normal(k[4], (10, 3)), "bias": jnp.zeros(3)},
+  }
+
+
+def cnn_apply(p, x):
+  x = jax.lax.conv_general_dilated(
+      x, p["conv"]["kernel"], (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  x = jax.nn.relu(x + p["conv"]["bias"]).reshape(x.shape[0], -1)  # 2x2x4 = 16
+  for name in ("tall", "wide", "square"):
+    x = jnp.tanh(x @ p[name]["kernel"] + p[name]["bias"])
+  return x @ p["out"]["kernel"] + p["out"]["bias"]
+
+
+@pytest.fixture(scope="session")
+def cnn_problem():
+  """(params, loss_fn(params, step)) for a small CNN classifier on random 4x4x2 images."""
+  kx, ky = jax.random.split(jax.random.key(42))
+  x = jax.random.normal(kx, (256, 4, 4, 2))
+  labels = jax.random.randint(ky, (256,), 0, 3)
+
+  def loss(p, i):
+    start = (i * 16) % 256
+    xb = jax.lax.dynamic_slice_in_dim(x, start, 16)
+    yb = jax.lax.dynamic_slice_in_dim(labels, start, 16)
+    return optax.softmax_cross_entropy_with_integer_labels(cnn_apply(p, xb), yb).mean()
+
+  return cnn_params(jax.random.key(0)), loss
+
+
+@pytest.fixture(scope="session")
+def load_benchmark():
+  """Loads ``benchmarks/NAME.py`` as a module (the scripts are not a package)."""
+
+  def load(name):
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+  return load

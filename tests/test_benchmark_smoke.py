@@ -4,22 +4,14 @@ Only the structure of the report is checked: timings are the benchmark's
 business, never a test's.
 """
 
-import importlib.util
 import json
 import math
-import pathlib
 
 import pytest
 
-_SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "step_overhead.py"
-
-
 @pytest.fixture(scope="module")
-def step_overhead():
-  spec = importlib.util.spec_from_file_location("step_overhead", _SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+def step_overhead(load_benchmark):
+  return load_benchmark("step_overhead")
 
 
 def test_smoke_run_writes_the_documented_report(step_overhead, tmp_path):

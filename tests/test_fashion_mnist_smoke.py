@@ -5,10 +5,8 @@ back to a synthetic stand-in of the same shapes when the IDX files are missing.
 """
 
 import gzip
-import importlib.util
 import json
 import math
-import pathlib
 import struct
 
 import jax
@@ -17,15 +15,9 @@ import numpy as np
 import optax
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "fashion_mnist.py"
-
-
 @pytest.fixture(scope="module")
-def fm():
-  spec = importlib.util.spec_from_file_location("fashion_mnist_benchmark", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+def fm(load_benchmark):
+  return load_benchmark("fashion_mnist")
 
 
 @pytest.fixture(scope="module")

@@ -12,42 +12,6 @@ from cola_jax.constraints.orthogonal import gram_defect, tall_view
 STEPS = 10_000
 
 
-def cnn_params(key):
-  """A conv kernel (3,3,2,4) = 18x4 tall, then tall, wide and square dense layers."""
-  k = jax.random.split(key, 5)
-  return {
-      "conv": {"kernel": 0.3 * jax.random.normal(k[0], (3, 3, 2, 4)), "bias": jnp.zeros(4)},
-      "tall": {"kernel": 0.3 * jax.random.normal(k[1], (16, 6)), "bias": jnp.zeros(6)},
-      "wide": {"kernel": 0.3 * jax.random.normal(k[2], (6, 10)), "bias": jnp.zeros(10)},
-      "square": {"kernel": 0.3 * jax.random.normal(k[3], (10, 10)), "bias": jnp.zeros(10)},
-      "out": {"kernel": 0.3 * jax.random.normal(k[4], (10, 3)), "bias": jnp.zeros(3)},
-  }
-
-
-def cnn_apply(p, x):
-  x = jax.lax.conv_general_dilated(
-      x, p["conv"]["kernel"], (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
-  x = jax.nn.relu(x + p["conv"]["bias"]).reshape(x.shape[0], -1)  # 2x2x4 = 16
-  for name in ("tall", "wide", "square"):
-    x = jnp.tanh(x @ p[name]["kernel"] + p[name]["bias"])
-  return x @ p["out"]["kernel"] + p["out"]["bias"]
-
-
-@pytest.fixture(scope="module")
-def problem():
-  kx, ky = jax.random.split(jax.random.key(42))
-  x = jax.random.normal(kx, (256, 4, 4, 2))
-  labels = jax.random.randint(ky, (256,), 0, 3)
-
-  def loss(p, i):
-    start = (i * 16) % 256
-    xb = jax.lax.dynamic_slice_in_dim(x, start, 16)
-    yb = jax.lax.dynamic_slice_in_dim(labels, start, 16)
-    return optax.softmax_cross_entropy_with_integer_labels(cnn_apply(p, xb), yb).mean()
-
-  return cnn_params(jax.random.key(0)), loss
-
-
 def train(tx, params, loss, steps):
   def step(carry, i):
     p, s = carry
@@ -70,8 +34,8 @@ METHODS = {
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))
-def test_constraints_hold_after_ten_thousand_noisy_steps(name, problem):
-  params, loss = problem
+def test_constraints_hold_after_ten_thousand_noisy_steps(name, cnn_problem):
+  params, loss = cnn_problem
   params, state, losses = train(METHODS[name], params, loss, STEPS)
   assert np.all(np.isfinite(np.asarray(losses)))
   assert float(losses[-500:].mean()) < float(losses[:50].mean())  # it trains

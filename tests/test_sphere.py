@@ -284,26 +284,9 @@ def test_one_weight_per_unit_is_the_circle(method, tau, shape, axis):
 # Residuals after many noisy steps with real gradients
 
 
-def cnn_params(key):
-  k = jax.random.split(key, 3)
-  return {
-      "conv": {"kernel": 0.3 * jax.random.normal(k[0], (3, 3, 2, 4)), "bias": jnp.zeros(4)},
-      "dense": {"kernel": 0.3 * jax.random.normal(k[1], (16, 6)), "bias": jnp.zeros(6)},
-      "out": {"kernel": 0.3 * jax.random.normal(k[2], (6, 3)), "bias": jnp.zeros(3)},
-  }
-
-
-def cnn_apply(p, x):
-  x = jax.lax.conv_general_dilated(
-      x, p["conv"]["kernel"], (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
-  x = jax.nn.relu(x + p["conv"]["bias"]).reshape(x.shape[0], -1)
-  x = jnp.tanh(x @ p["dense"]["kernel"] + p["dense"]["bias"])
-  return x @ p["out"]["kernel"] + p["out"]["bias"]
-
-
 RADIUS = 1.0
 STEPS = 2_000
-KERNELS = ("conv", "dense", "out")
+KERNELS = ("conv", "tall", "wide", "square", "out")
 SPHERE_CONSTRAINTS = {k: {"kernel": cola.Sphere(RADIUS), "bias": None} for k in KERNELS}
 LONG_METHODS = {
     "od": cola.cola_od(0.05, constraints=SPHERE_CONSTRAINTS, temperature=1e-4,
@@ -314,17 +297,8 @@ LONG_METHODS = {
 
 
 @pytest.mark.parametrize("method", sorted(LONG_METHODS))
-def test_constraints_hold_after_many_noisy_steps(method):
-  kx, ky = jax.random.split(jax.random.key(42))
-  x = jax.random.normal(kx, (256, 4, 4, 2))
-  labels = jax.random.randint(ky, (256,), 0, 3)
-
-  def loss(p, i):
-    start = (i * 16) % 256
-    xb = jax.lax.dynamic_slice_in_dim(x, start, 16)
-    yb = jax.lax.dynamic_slice_in_dim(labels, start, 16)
-    return optax.softmax_cross_entropy_with_integer_labels(cnn_apply(p, xb), yb).mean()
-
+def test_constraints_hold_after_many_noisy_steps(method, cnn_problem):
+  params, loss = cnn_problem
   tx = LONG_METHODS[method]
 
   def step(carry, i):
@@ -332,7 +306,6 @@ def test_constraints_hold_after_many_noisy_steps(method):
     updates, s = tx.update(jax.grad(loss)(p, i), s, p)
     return (optax.apply_updates(p, updates), s), loss(p, i)
 
-  params = cnn_params(jax.random.key(0))
   initial_norms = {k: np.linalg.norm(np.asarray(params[k]["kernel"]).reshape(-1, params[k][
       "kernel"].shape[-1]), axis=0) for k in KERNELS}
   assert max(n.max() for n in initial_norms.values()) > RADIUS  # the bound is active
@@ -367,9 +340,8 @@ def test_constraints_hold_after_many_noisy_steps(method):
   assert residuals["conv"]["bias"] is None
 
 
-def test_project_params_and_residuals():
-  params = cnn_params(jax.random.key(1))
-  params = jax.tree.map(lambda a: 3 * a, params)
+def test_project_params_and_residuals(cnn_problem):
+  params = jax.tree.map(lambda a: 3 * a, cnn_problem[0])
   projected = cola.project_params(params, SPHERE_CONSTRAINTS)
   for layer in KERNELS:
     w = np.asarray(projected[layer]["kernel"], np.float64)

@@ -1,23 +1,15 @@
 """Smoke test of benchmarks/spiral.py, the spiral experiment (paper Figs. 2-3)."""
 
-import importlib.util
 import json
 import math
-import pathlib
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "spiral.py"
-
-
 @pytest.fixture(scope="module")
-def spiral():
-  spec = importlib.util.spec_from_file_location("spiral_benchmark", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+def spiral(load_benchmark):
+  return load_benchmark("spiral")
 
 
 @pytest.fixture(scope="module")
