@@ -11,7 +11,7 @@ Every method is a pure function of arrays, safe under ``jit`` and ``vmap``.
 """
 
 import abc
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,11 @@ class Constraint(abc.ABC):
   other than hyperparameters, so that transforms can be rebuilt inside
   ``optax.inject_hyperparams`` without recompiling.
   """
+
+  # Whether the transforms step leaves of one shape together under ``vmap``:
+  # worth it when a step is a loop of small dense products (one batched loop
+  # instead of one per leaf), not for elementwise geometries.
+  stack_same_shape: ClassVar[bool] = False
 
   def validate(self, param: jax.Array, path: str) -> None:
     """Raises ValueError naming ``path`` if the leaf cannot carry this constraint."""
