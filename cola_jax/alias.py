@@ -75,13 +75,15 @@ def circle_constraints(radius: RadiusSpec, *, mask: MaskOrFn = None, owner: str 
 
 
 def orthogonal_constraints(*, mask: MaskOrFn = None, tolerance: float = 1e-6,
-                           max_iterations: int = 20, owner: str = "orthogonal_constraints"):
+                           max_iterations: int = 20, projection: str = "quasi_newton",
+                           owner: str = "orthogonal_constraints"):
   """The constraints of :func:`o_cola_od` and :func:`o_cola_ud`, as a callable.
 
   Returns a function ``params -> pytree`` with an :class:`~cola_jax.Orthogonal`
   on each masked-in leaf (default: ``ndim >= 2``).
   """
-  orthogonal = Orthogonal(tolerance=tolerance, max_iterations=max_iterations)
+  orthogonal = Orthogonal(
+      tolerance=tolerance, max_iterations=max_iterations, projection=projection)
   return _constraints_per_leaf(owner, mask, lambda *_: orthogonal)
 
 
@@ -155,6 +157,7 @@ def o_cola_od(
     key: Optional[jax.Array] = None,
     tolerance: float = 1e-6,
     max_iterations: int = 20,
+    projection: str = "quasi_newton",
 ) -> optax.GradientTransformation:
   """o-CoLA-od: overdamped Langevin with orthonormal weight matrices and kernels.
 
@@ -167,12 +170,14 @@ def o_cola_od(
     key: a JAX PRNG key, required unless ``temperature`` is exactly 0.
     tolerance: projection tolerance on ``max |Q^T Q - I|``.
     max_iterations: bound on quasi-Newton iterations per projection.
+    projection: the solver of the projection, as for :class:`cola_jax.Orthogonal`.
 
   Returns:
     :func:`cola_jax.cola_od` with :class:`cola_jax.Orthogonal` constraints.
   """
   constraints = orthogonal_constraints(
-      mask=mask, tolerance=tolerance, max_iterations=max_iterations, owner="o_cola_od")
+      mask=mask, tolerance=tolerance, max_iterations=max_iterations, projection=projection,
+      owner="o_cola_od")
   return cola_od(learning_rate, constraints=constraints,
                  temperature=temperature, key=key)
 
@@ -187,6 +192,7 @@ def o_cola_ud(
     tolerance: float = 1e-6,
     max_iterations: int = 20,
     splitting: str = "OBA",
+    projection: str = "quasi_newton",
 ) -> optax.GradientTransformation:
   """o-CoLA-ud: underdamped Langevin (OBA, RATTLE A step) with orthonormal weights.
 
@@ -199,12 +205,14 @@ def o_cola_ud(
     splitting: ``"OBA"`` (the paper's) or ``"BAOAB"``; see :func:`cola_jax.cola_ud`.
     tolerance: projection tolerance on ``max |Q^T Q - I|``.
     max_iterations: bound on quasi-Newton iterations per projection.
+    projection: the solver of the projection, as for :class:`cola_jax.Orthogonal`.
 
   Returns:
     :func:`cola_jax.cola_ud` with :class:`cola_jax.Orthogonal` constraints.
   """
   constraints = orthogonal_constraints(
-      mask=mask, tolerance=tolerance, max_iterations=max_iterations, owner="o_cola_ud")
+      mask=mask, tolerance=tolerance, max_iterations=max_iterations, projection=projection,
+      owner="o_cola_ud")
   return cola_ud(learning_rate, friction=friction,
                  constraints=constraints,
                  temperature=temperature, key=key, splitting=splitting)

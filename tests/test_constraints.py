@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import cola_jax as cola
@@ -161,3 +162,41 @@ def test_rattle_a_step_is_cotangent_and_time_reversible():
   np.testing.assert_allclose(back.matrix, q, atol=1e-5)
   np.testing.assert_allclose(-p0, p, atol=1e-4)
   assert float(jnp.linalg.norm(new.matrix - q)) > 0.05  # it did move
+
+
+@pytest.mark.parametrize("projection", ["newton", "square_root"])
+def test_faster_projections_follow_the_papers_trajectory(projection):
+  """Same multiplier equation, so the same dynamics: o-CoLA-ud over 30 noisy steps."""
+  shapes = {"tall": (20, 6), "square": (12, 12), "wide": (5, 9), "conv": (3, 3, 2, 8)}
+  keys = jax.random.split(jax.random.key(0), len(shapes))
+  params = cola.project_params(
+      {name: jax.random.normal(k, s) for (name, s), k in zip(shapes.items(), keys)},
+      cola.Orthogonal())
+  targets = jax.tree.map(lambda p: 0.3 * jnp.ones_like(p), params)
+
+  def run(tx):
+    def step(carry, _):
+      p, state = carry
+      grads = jax.tree.map(lambda w, t: w - t, p, targets)
+      updates, state = tx.update(grads, state, p)
+      return (optax.apply_updates(p, updates), state), None
+    (p, state), _ = jax.lax.scan(step, (params, tx.init(params)), None, length=30)
+    return p, state
+
+  def make(projection):
+    return cola.o_cola_ud(0.2, friction=1.0, temperature=1e-3, key=jax.random.key(1),
+                          projection=projection, tolerance=1e-6, max_iterations=40)
+
+  reference, _ = jax.jit(lambda: run(make("quasi_newton")))()
+  got, state = jax.jit(lambda: run(make(projection)))()
+  for name in shapes:
+    np.testing.assert_allclose(got[name], reference[name], atol=2e-5, err_msg=name)
+    assert float(jnp.max(jnp.abs(got[name] - params[name]))) > 0.05, name  # it did move
+  residuals = cola.constraint_residuals(got, state)
+  assert max(float(r) for r in jax.tree.leaves(residuals)) <= 1e-5
+  assert all(bool(info.converged) for info in state.constraint_states.values())
+
+
+def test_unknown_projection_is_an_error():
+  with pytest.raises(ValueError, match="projection must be one of"):
+    cola.Orthogonal(projection="svd")

@@ -16,11 +16,14 @@ symmetric):
   Q^{(k+1)} = Q^{(k)} - \tfrac12 Q_n \big(Q^{(k)T} Q^{(k)} - I_s\big),
 
 run until ``max |Q^T Q - I| <= tolerance`` or ``max_iterations`` is reached.
-It converges linearly, more slowly as the step grows relative to the matrix, so
-a fixed iteration count has no error bound; a step that does not converge is
-flagged in the leaf's :class:`ProjectionInfo` and finished with the polar
-projection (the nearest orthonormal matrix), so the constraint holds after
-every update.
+It converges linearly, at a rate about the spectral norm of the tangential part
+of the step, so a fixed iteration count has no error bound. Two faster solvers
+of the same equation (same multiplier, same point, same dynamics) are options
+(``projection=``, see :mod:`cola_jax.constraints.stiefel_projection`): Newton's
+method for ``Lambda`` and a closed-form square root, both working on ``s x s``
+matrices. A step that does not converge is flagged in the leaf's
+:class:`ProjectionInfo` and finished with the polar projection (the nearest
+orthonormal matrix), so the constraint holds after every update.
 
 The cotangent projection is
 ``Pi_Q P = P - 1/2 Q (P^T Q + Q^T P)``, and the A step is RATTLE: the position
@@ -41,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from cola_jax._numerics import concrete_float, explicit_sharding
+from cola_jax.constraints import stiefel_projection
 from cola_jax.constraints.base import Constraint
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -102,6 +106,13 @@ def _polar_where(q: jax.Array, needed: jax.Array) -> jax.Array:
   return q
 
 
+_SOLVERS = {
+    "quasi_newton": stiefel_projection.quasi_newton_projection,
+    "newton": stiefel_projection.newton_multiplier_projection,
+    "square_root": stiefel_projection.square_root_projection,
+}
+
+
 class ProjectionInfo(NamedTuple):
   """Diagnostics of a leaf's last projection onto the orthogonal manifold."""
 
@@ -133,6 +144,12 @@ class Orthogonal(Constraint):
       optimizer) is first replaced by its polar factor, the nearest orthonormal
       matrix. Rounding from ``params + updates`` stays far below it and is
       absorbed by the step's own projection.
+    projection: how the multiplier of the constraint force ``-Q_n Lambda`` is
+      found: ``"quasi_newton"`` (the paper's iteration), ``"newton"`` (Newton's
+      method in ``s x s`` space, fastest for tall matrices) or ``"square_root"``
+      (a closed form, exact for square matrices, then chord steps; fastest for
+      large square steps). All three reach the same point. With the latter two
+      ``ProjectionInfo.iterations`` counts Newton steps or series terms.
 
   Example:
     >>> import cola_jax as cola
@@ -142,12 +159,18 @@ class Orthogonal(Constraint):
   tolerance: float = 1e-6
   max_iterations: int = 20
   reproject_above: float = 1e-3
+  projection: str = "quasi_newton"
+
+  stack_same_shape = True
 
   def __post_init__(self):
     for name in ("tolerance", "reproject_above"):
       value = concrete_float(getattr(self, name))
       if value is not None and not value > 0:
         raise ValueError(f"Orthogonal: {name} must be positive, got {getattr(self, name)!r}.")
+    if self.projection not in _SOLVERS:
+      raise ValueError(
+          f"Orthogonal: projection must be one of {tuple(_SOLVERS)}, got {self.projection!r}.")
     iterations = concrete_float(self.max_iterations)
     if iterations is not None and not (iterations >= 1 and iterations == int(iterations)):
       raise ValueError(
@@ -183,21 +206,9 @@ class Orthogonal(Constraint):
                              out_sharding=explicit_sharding(point.matrix))
 
   def project(self, anchor, step):
-    q_n = anchor.matrix
-
-    def not_done(carry):
-      _, defect, k = carry
-      return (jnp.max(jnp.abs(defect)) > self.tolerance) & (k < self.max_iterations)
-
-    def quasi_newton(carry):
-      q, defect, k = carry
-      q = q - 0.5 * jnp.matmul(q_n, defect, precision=_HIGHEST)
-      return q, gram_defect(q), k + 1
-
-    moved = q_n + step
-    q, defect, k = jax.lax.while_loop(
-        not_done, quasi_newton, (moved, gram_defect(moved), jnp.zeros((), jnp.int32)))
-    converged = jnp.max(jnp.abs(defect)) <= self.tolerance
+    moved = anchor.matrix + step
+    solve = _SOLVERS[self.projection]
+    q, k, converged = solve(anchor.matrix, moved, self.tolerance, self.max_iterations, norm="max")
     # A diverged iteration is not finite: fall back from the unprojected point.
     q = jnp.where(jnp.all(jnp.isfinite(q)), q, moved)
     return StiefelPoint(_polar_where(q, ~converged), ProjectionInfo(k, converged))
