@@ -69,7 +69,8 @@ def test_circle_overdamped_projection_keeps_the_quadrant():
   r = 0.1
   theta = jnp.array([-0.09, -0.05, 0.05])
   c, point = circle_point(theta, r)
-  new = langevin.overdamped_step(c, point, jnp.array([0.05, 0.0, 0.0]), 0.1)
+  theta_new, state = c.unpack(langevin.overdamped_step(c, point, jnp.array([0.05, 0.0, 0.0]), 0.1), theta)
+  new = theta_new, state.slack
   assert float(new[0][0]) < 0 and float(new[0][1]) < 0
   np.testing.assert_allclose(new[0] ** 2 + new[1] ** 2, r**2, rtol=1e-6)
   # Radial projection: the new point is the normalised moved point.
