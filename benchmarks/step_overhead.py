@@ -35,7 +35,9 @@ Writes ``step_overhead.json`` and ``step_overhead.png`` under ``--out``.
 JSON keys: ``meta`` (command, argv, date, machine, versions), ``config``
 (hyperparameters, repetitions), ``results`` (one record per model, method,
 temperature and kind, with ``method_ms``, ``baseline_ms``, ``ratio``,
-``ratio_of_paired`` and the per-sample spread), ``state_bytes`` (per model:
+``ratio_of_paired``, the per-sample spread and, for ``update``, the
+``array_passes``: arrays of the largest leaf's shape read and written by the
+compiled update, method and baseline), ``state_bytes`` (per model:
 per method and baseline), ``targets`` (the issue's performance targets with
 ``value``, ``limit`` and ``met``).
 """
@@ -46,9 +48,10 @@ import json
 import math
 import os
 import pathlib
+import re
 import sys
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
@@ -195,6 +198,28 @@ def build(kind: str, tx, loss_fn, params, grads, batch):
   return jax.jit(fn, donate_argnums=(0, 1)), (jax.tree.map(jnp.copy, params), tx.init(params))
 
 
+def array_passes(fn, carry, shape) -> Optional[dict]:
+  """Arrays of ``shape`` read and written by the compiled ``fn``'s top-level loops.
+
+  An elementwise update is memory-bound at this size, so these counts (for the
+  largest leaf) explain its time independently of the machine. Parsed from
+  XLA's HLO text; None if the format is not understood.
+  """
+  text = fn.lower(*carry).compile().as_text()
+  if "ENTRY" not in text:
+    return None
+  entry = text[text.index("ENTRY"):].split("\n}", 1)[0]
+  wanted = f"[{','.join(map(str, shape))}]"
+  shapes = dict(re.findall(r"%(\S+) = (\S+) ", entry))
+  reads = writes = 0
+  for name, out, op, args in re.findall(r"%(\S+) = (\S+) ([\w-]+)\((.*?)\)", entry):
+    if op in ("parameter", "tuple", "get-tuple-element", "bitcast", "constant"):
+      continue
+    writes += out.count(wanted)
+    reads += sum(wanted in shapes.get(arg, "") for arg in re.findall(r"%([\w.\-]+)", args))
+  return {"reads": reads, "writes": writes}
+
+
 def measure_pair(fns, carries, warmup: int, repetitions: int, budget_s: float):
   """Interleaved timing of two step functions; returns per-call seconds for each.
 
@@ -293,6 +318,14 @@ def table(results, state_bytes, targets) -> str:
         f"{r['model']:12s} {r['method']:10s} {r['temperature']:7.0e} {r['kind']:6s} "
         f"{r['method_ms']:10.3f} {r['baseline_ms']:9.3f} {r['ratio']:7.2f} "
         f"{r['ratio_of_paired']:7.2f} {r['repetitions']:4d}")
+  passes = [r for r in results if r.get("array_passes") and r["array_passes"]["method"]]
+  if passes:
+    lines.append("")
+    lines.append(f"{'model':12s} {'method':10s} {'tau':>7s} arrays read+written by the update (method vs baseline)")
+    for r in passes:
+      m, b = r["array_passes"]["method"], r["array_passes"]["baseline"]
+      lines.append(f"{r['model']:12s} {r['method']:10s} {r['temperature']:7.0e} "
+                   f"{m['reads']}+{m['writes']} vs {b['reads']}+{b['writes']}")
   lines.append("")
   lines.append(f"{'model':12s} {'method':10s} {'state bytes':>12s} {'baseline':>10s} {'ratio':>6s}")
   for model, per in state_bytes.items():
@@ -389,6 +422,11 @@ def main(argv=None) -> dict:
     t_m, t_b = measure_pair((f_m, f_b), (c_m, c_b), args.warmup, args.repetitions, args.budget)
     record = summarize(model.name, method, base_name, temperature, kind, t_m, t_b)
     record["hyperparameters"] = hyper
+    if kind == "update":
+      largest = max(jax.tree.leaves(params), key=lambda leaf: leaf.size).shape
+      record["array_passes"] = {"shape": list(largest),
+                                "method": array_passes(f_m, c_m, largest),
+                                "baseline": array_passes(f_b, c_b, largest)}
     results.append(record)
     if progress is not None:
       progress.set_postfix_str(f"{model.name} {method} tau={temperature:g} {kind}: {record['ratio']:.2f}x")

@@ -37,6 +37,13 @@ def test_smoke_run_writes_the_documented_report(step_overhead, tmp_path):
     for key in ("method_ms", "baseline_ms", "ratio"):
       assert math.isfinite(record[key]) and record[key] > 0
   assert {r["temperature"] > 0 for r in report["results"]} == {False, True}
+  # The memory traffic of the c-CoLA-ud update: at least its 4 inputs and 3
+  # outputs (weight, slack, momentum, gradient), more than SGD-m's.
+  passes = [r["array_passes"] for r in report["results"] if r["kind"] == "update"]
+  assert passes and all(p["method"] and p["baseline"] for p in passes)
+  for p in passes:
+    assert p["method"]["reads"] >= 4 and p["method"]["writes"] >= 3
+    assert p["method"]["reads"] + p["method"]["writes"] > p["baseline"]["reads"] + p["baseline"]["writes"]
 
   # Every target the issue names is measured in smoke mode too.
   assert len(report["targets"]) == 4
