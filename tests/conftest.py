@@ -1,6 +1,7 @@
 import importlib.util
 import os
 import pathlib
+import sys
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
@@ -97,6 +98,7 @@ def load_benchmark():
     path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"{name}_benchmark", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import would: Flax dataclasses look themselves up there
     spec.loader.exec_module(module)
     return module
 
