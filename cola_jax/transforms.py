@@ -42,7 +42,7 @@ class UnderdampedState(NamedTuple):
   count: jax.Array  # steps taken, int32
   key: Optional[jax.Array]  # PRNG key, None when no noise is ever drawn
   constraint_states: Any  # per leaf: auxiliary state of its constraint (None if free)
-  momentum: Any  # per leaf, in cotangent coordinates, shaped like the leaf
+  momentum: Any  # per leaf, in the stored form of its constraint (shaped like the leaf, or flat)
 
 
 _SPLITTINGS = ("OBA", "BAOAB")
