@@ -129,15 +129,17 @@ def _step_keys(key, noisy: bool, n_leaves: int):
 def _map_leaves(leaf_step, constraints, params, *columns) -> tuple[list, ...]:
   """``leaf_step(constraint, param, *column_entries)`` for every leaf, transposed.
 
-  Leaves that share a constraint whose ``stack_same_shape`` is set, a shape and
-  a dtype (and carry no explicit sharding) are stacked and stepped together
-  under ``vmap``: a deep network's equal hidden layers then take one batched
-  projection loop instead of one loop each. The result is the same as leaf by
-  leaf; each leaf keeps its own key.
+  On accelerators, leaves that share a constraint whose ``stack_same_shape`` is
+  set, a shape and a dtype (and carry no explicit sharding) are stacked and
+  stepped together under ``vmap``: a deep network's equal hidden layers then
+  take one batched projection loop (one kernel launch and one host
+  synchronisation per iteration) instead of one loop each. The result is the
+  same as leaf by leaf; each leaf keeps its own key.
   """
+  stacking = _stacking_pays()
   groups = {}
   for i, (c, param) in enumerate(zip(constraints, params)):
-    stackable = c.stack_same_shape and explicit_sharding(param) is None
+    stackable = stacking and c.stack_same_shape and explicit_sharding(param) is None
     key = (_hashable(c), param.shape, param.dtype) if stackable else i
     groups.setdefault(key, []).append(i)
 
@@ -153,6 +155,16 @@ def _map_leaves(leaf_step, constraints, params, *columns) -> tuple[list, ...]:
     for position, i in enumerate(members):
       outputs[i] = jax.tree.map(lambda x: x[position], batched)
   return tuple(list(column) for column in zip(*outputs))
+
+
+def _stacking_pays() -> bool:
+  """Whether to stack same-shape leaves: not on XLA's CPU backend.
+
+  There a batched product is no faster than separate ones, and a batched loop
+  runs until its slowest member converges (measured slower, see
+  ``benchmarks/stiefel_projection.py``).
+  """
+  return jax.default_backend() != "cpu"
 
 
 def _hashable(constraint):

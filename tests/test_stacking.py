@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import cola_jax as cola
+from cola_jax import transforms
 
 
 def deep_params(key):
@@ -39,8 +40,9 @@ def run(tx, params, steps=20):
 ], ids=["od", "ud"])
 def test_stacked_equals_leaf_by_leaf(make, monkeypatch):
   params = deep_params(jax.random.key(0))
+  monkeypatch.setattr(transforms, "_stacking_pays", lambda: True)  # as on an accelerator
   stacked_params, stacked_state = run(make(), params)
-  monkeypatch.setattr(cola.Orthogonal, "stack_same_shape", False)
+  monkeypatch.setattr(transforms, "_stacking_pays", lambda: False)  # as on CPU
   single_params, single_state = run(make(), params)
   for path, a, b in zip(jax.tree_util.tree_flatten_with_path(stacked_params)[0],
                         jax.tree.leaves(single_params), jax.tree.leaves(stacked_params)):
@@ -50,3 +52,18 @@ def test_stacked_equals_leaf_by_leaf(make, monkeypatch):
       np.array(jax.tree.leaves(stacked_state.constraint_states)))
   residuals = cola.constraint_residuals(stacked_params, stacked_state)
   assert max(float(r) for r in jax.tree.leaves(residuals)) <= 1e-5
+
+
+def test_stacking_batches_the_projection_loops(monkeypatch):
+  params = deep_params(jax.random.key(0))
+  tx = cola.cola_od(0.05, constraints=cola.Orthogonal())
+  grads = jax.tree.map(jnp.ones_like, params)
+
+  def loops(stacking):
+    monkeypatch.setattr(transforms, "_stacking_pays", lambda: stacking)
+    jaxpr = jax.make_jaxpr(lambda g, p: tx.update(g, tx.init(p), p))(grads, params)
+    return str(jaxpr).count(" while[")
+
+  # Three loops per leaf (start check, projection, polar fallback): 7 leaves
+  # alone, or the four (12, 12) ones as one stacked group.
+  assert loops(False) == 3 * 7 and loops(True) == 3 * 4
