@@ -17,17 +17,6 @@ orthogonal (radial) one, ``r (theta, xi) / |(theta, xi)|``, which keeps the
 quadrant (the paper's ``arctan(xi / theta)`` form does not; see
 ``../shared/paper/NOTES.md``, erratum 2).
 
-A point is carried as any non-zero pair on its ray: the point on the circle is
-``r (theta, xi) / |(theta, xi)|``. Every operation is invariant to the scale of
-the pair (the cotangent divides by ``|(theta, xi)|``, and rotations commute with
-scaling), and the pair is normalised once, when the new weight and slack are
-written. So the step starts from the stored weight and slack as they are (the
-rounding of ``params + updates``, or a weight changed outside the optimizer,
-costs nothing to absorb) and, as the tangent at the start and the normalised
-end point are computed from different values, XLA's CPU backend, which writes
-each output of an update in a loop of its own, need not keep any shared
-intermediate array: the update reads four arrays and writes three.
-
 References:
   Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of
   Neural Networks*, OPT2020, Appendix B (c-CoLA-od, c-CoLA-ud).
@@ -88,18 +77,8 @@ class Circle(Constraint):
     return CircleState(slack=jnp.sqrt(jnp.maximum(r * r - theta * theta, 0)), radius=r)
 
   def point(self, param, aux):
-    """The pair ``(clip(theta), xi)``, a representative of its ray.
-
-    A pair at the origin (weight and slack both set to zero outside the
-    optimizer) stands for ``(0, r)``: its cotangent is that of ``(0, r)``, it
-    is not moved by the A step, and it is written back as ``(0, r)``.
-    """
     r = jnp.asarray(self.radius, param.dtype)
-    return jnp.clip(param, -r, r), aux.slack
-
-  def _squared_norm(self, theta, xi):
-    """``|(theta, xi)|^2 / r^2``."""
-    return (theta * theta + xi * xi) * (1 / jnp.asarray(self.radius, theta.dtype) ** 2)
+    return self._onto_circle(jnp.clip(param, -r, r), aux.slack)
 
   def _onto_circle(self, theta, xi):
     """Radial projection ``r (theta, xi) / |(theta, xi)|``; ``(0, r)`` at the origin.
@@ -112,7 +91,7 @@ class Circle(Constraint):
     CPU anyway), count as the origin.
     """
     r = jnp.asarray(self.radius, theta.dtype)
-    z = self._squared_norm(theta, xi)
+    z = (theta * theta + xi * xi) * (1 / (r * r))  # |(theta, xi)|^2 / r^2
     degenerate = z < jnp.finfo(theta.dtype).tiny
     xi = jnp.where(degenerate, r, xi)
     theta = jnp.where(degenerate, jnp.zeros_like(theta), theta)
@@ -120,7 +99,7 @@ class Circle(Constraint):
     return theta * scale, xi * scale
 
   def unpack(self, point, param):
-    theta, xi = self._onto_circle(*point)
+    theta, xi = point
     r = jnp.asarray(self.radius, theta.dtype)
     # Rounding in the normalisation can leave |theta| one ulp above r.
     return jnp.clip(theta, -r, r), CircleState(slack=xi, radius=r)
@@ -138,17 +117,12 @@ class Circle(Constraint):
     return noise[0], noise[1]
 
   def project(self, anchor, step):
-    theta, xi = self._onto_circle(*anchor)
-    return theta + step[0], xi + step[1]  # on the ray of the radial projection
+    return self._onto_circle(anchor[0] + step[0], anchor[1] + step[1])
 
   def cotangent(self, point, vector):
     theta, xi = point
     v_theta, v_xi = vector
-    z = self._squared_norm(theta, xi)
-    degenerate = z < jnp.finfo(theta.dtype).tiny
-    scale = inverse_sqrt(jnp.where(degenerate, jnp.ones_like(z), z)) * (
-        1 / jnp.asarray(self.radius, theta.dtype))
-    return jnp.where(degenerate, v_theta, (v_theta * xi - v_xi * theta) * scale)
+    return (v_theta * xi - v_xi * theta) * (1 / jnp.asarray(self.radius, theta.dtype))
 
   def cotangent_normal(self, key, point):
     theta, _ = point
