@@ -1,9 +1,13 @@
 """Helpers shared by the benchmark and reproduction scripts."""
 
+import datetime
+import json
 import math
 import os
 import platform
+import shlex
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -57,3 +61,32 @@ def mean_std(values) -> tuple[float, float]:
   if not np.any(np.isfinite(a)):
     return float("nan"), float("nan")
   return float(np.nanmean(a)), float(np.nanstd(a))
+
+
+def provenance(argv: list, start: float, packages: tuple = ()) -> dict:
+  """What a results JSON records about its run: command line, date, machine,
+  versions (jax, jaxlib, optax, numpy, cola_jax and ``packages``) and the wall
+  time since ``start`` (a ``time.perf_counter()`` reading)."""
+  names = ("jax", "jaxlib", *packages, "optax", "numpy", "cola_jax")
+  return {
+      "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv[:1], *argv]),
+      "argv": argv,
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "machine": machine_info(),
+      "versions": {name: __import__(name).__version__ for name in names},
+      "wall_time_s": time.perf_counter() - start,
+  }
+
+
+def write_json(path: str, report: dict) -> None:
+  """Writes ``report`` through a temporary file, so a reader (or a run that is
+  interrupted) never finds half a file; NaN is refused, not written."""
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(report, f, indent=1, allow_nan=False)
+  os.replace(tmp, path)
+
+
+def nan_array(rows) -> np.ndarray:
+  """Nested lists from a results JSON as floats, ``None`` read as NaN."""
+  return np.array([[np.nan if v is None else v for v in row] for row in rows], dtype=float)

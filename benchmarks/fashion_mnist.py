@@ -62,12 +62,10 @@ prints a table with the published numbers next to ours.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gzip
 import json
 import math
 import os
-import shlex
 import struct
 import pathlib
 import sys
@@ -84,7 +82,7 @@ import optax  # noqa: E402
 import cola_jax as cola  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
-from _common import finite_list, machine_info, mean_std, torch_uniform  # noqa: E402
+from _common import finite_list, mean_std, nan_array, provenance, torch_uniform, write_json  # noqa: E402
 
 SCHEMA_VERSION = 1
 DEFAULT_DATA_DIR = "/usr/share/datasets/fashion-mnist"
@@ -367,9 +365,6 @@ def build(method: str, config: Config):
 # ----------------------------------------------------------------------------- reporting
 
 
-def _nan(rows):
-  return np.array([[np.nan if v is None else v for v in row] for row in rows], dtype=float)
-
 
 def summarize(entry: dict) -> dict:
   out = {}
@@ -411,7 +406,7 @@ def plot(results: dict, config: dict, path: str, data_info: dict) -> None:
     h = results[m]["history"]
     color = "black" if m == "ccola_ud" else cmap(i % cmap.N)
     for ax, key, scale in ((axes[0], "test_loss", 1), (axes[1], "test_accuracy", 100)):
-      a = _nan(h[key]) * scale
+      a = nan_array(h[key]) * scale
       mean, std = np.nanmean(a, axis=1), np.nanstd(a, axis=1)
       ax.plot(h["epoch"], mean, color=color, lw=2 if m == "ccola_ud" else 1.2, label=describe(m),
               marker="o" if len(h["epoch"]) < 3 else None)
@@ -588,18 +583,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "summary": {m: summarize(results[m]) for m in done},
         "published": {m: {"test_accuracy_percent": PUBLISHED[m][0], "test_loss": PUBLISHED[m][1]}
                       for m in config.methods if m in PUBLISHED},
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv[:1], *argv]),
-        "argv": argv,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "versions": {"jax": jax.__version__, "jaxlib": __import__("jaxlib").__version__,
-                     "optax": optax.__version__, "numpy": np.__version__, "cola_jax": cola.__version__},
-        "wall_time_s": time.perf_counter() - start,
+        **provenance(argv, start),
     }
-    tmp = json_path + ".tmp"
-    with open(tmp, "w") as f:
-      json.dump(out, f, indent=1, allow_nan=False)
-    os.replace(tmp, json_path)
+    write_json(json_path, out)
     if done:
       plot(results, out["config"], png_path, data_info)
     return out

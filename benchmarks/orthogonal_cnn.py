@@ -99,14 +99,12 @@ prints a table.
 """
 
 import argparse
-import datetime
 import functools
 import json
 import math
 import os
 import pathlib
 import pickle
-import shlex
 import sys
 import time
 from typing import Any, NamedTuple, Optional, Sequence
@@ -122,7 +120,7 @@ from flax import linen as nn  # noqa: E402
 import cola_jax as cola  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
-from _common import finite_list, machine_info, mean_std  # noqa: E402
+from _common import finite_list, mean_std, provenance, write_json  # noqa: E402
 import fashion_mnist  # noqa: E402
 
 SCHEMA_VERSION = 1
@@ -774,19 +772,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "seeds": list(range(config.seeds)),
         "results": results,
         "summary": {m: summarize(results[m]) for m in done},
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv[:1], *argv]),
-        "argv": argv,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "versions": {"jax": jax.__version__, "jaxlib": __import__("jaxlib").__version__,
-                     "flax": __import__("flax").__version__, "optax": optax.__version__,
-                     "numpy": np.__version__, "cola_jax": cola.__version__},
-        "wall_time_s": time.perf_counter() - start,
+        **provenance(argv, start, ("flax",)),
     }
-    tmp = json_path + ".tmp"
-    with open(tmp, "w") as f:
-      json.dump(out, f, indent=1, allow_nan=False)
-    os.replace(tmp, json_path)
+    write_json(json_path, out)
     if done:
       plot(results, out["config"], png_path, data_info)
     return out

@@ -49,10 +49,8 @@ environment) and ``spiral.png`` under ``--out``; prints a table.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import shlex
 import pathlib
 import sys
 import time
@@ -68,7 +66,7 @@ import optax  # noqa: E402
 import cola_jax as cola  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
-from _common import finite_list, machine_info, mean_std, torch_uniform  # noqa: E402
+from _common import finite_list, mean_std, provenance, write_json, torch_uniform  # noqa: E402
 
 SCHEMA_VERSION = 1
 
@@ -548,7 +546,6 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
       bar.write(f"      ({'+'.join(names)}: compile {timing['compile_s']:.1f} s, "
                 f"run {timing['run_s']:.1f} s)")
   bar.close()
-  wall = time.perf_counter() - start
 
   config_dict = {**config._asdict(), "depths": list(config.depths), "methods": list(config.methods),
                  "steps_per_epoch": config.n_train // config.batch_size,
@@ -572,23 +569,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
       "seeds": list(range(config.seeds)),
       "results": results,
       "summary": json.loads(json.dumps(summary).replace("NaN", "null")),
-      "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv[:1], *argv]),
-      "argv": argv,
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "machine": machine_info(),
-      "versions": {"jax": jax.__version__, "jaxlib": getattr(jax.lib, "__version__", None)
-                   or __import__("jaxlib").__version__, "optax": optax.__version__,
-                   "numpy": np.__version__, "cola_jax": cola.__version__},
-      "wall_time_s": wall,
+      **provenance(argv, start),
   }
   json_path = os.path.join(args.out, "spiral.json")
-  with open(json_path, "w") as f:
-    json.dump(out, f, indent=1, allow_nan=False)
+  write_json(json_path, out)
   png_path = os.path.join(args.out, "spiral.png")
   plot(results, out["config"], png_path)
   print()
   print(summary_table(results, config.methods, config.depths))
-  print(f"wall time {wall:.1f} s; wrote {json_path} and {png_path}")
+  print(f"wall time {out['wall_time_s']:.1f} s; wrote {json_path} and {png_path}")
   return out
 
 

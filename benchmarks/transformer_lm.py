@@ -122,13 +122,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import json
 import math
 import os
 import pathlib
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -145,7 +143,7 @@ import optax  # noqa: E402
 import cola_jax as cola  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
-from _common import finite_list, machine_info, mean_std, torch_uniform  # noqa: E402
+from _common import finite_list, mean_std, nan_array, provenance, torch_uniform, write_json  # noqa: E402
 
 SCHEMA_VERSION = 1
 CORPORA = ("kjv", "ptb", "wikitext2")
@@ -579,9 +577,6 @@ def eval_schedule(total_steps: int, eval_steps: int) -> list[int]:
 # ----------------------------------------------------------------------------- reporting
 
 
-def _nan(rows):
-  return np.array([[np.nan if v is None else v for v in row] for row in rows], dtype=float)
-
 
 def summarize(entry: dict) -> dict:
   out = {}
@@ -620,7 +615,7 @@ def plot(results: dict, config: dict, path: str, data_info: dict) -> None:
     h = results[m]["history"]
     color = "black" if m == "ccola_ud" else cmap(i % cmap.N)
     for ax, key, start in ((axes[0], "valid_loss", 0), (axes[1], "train_loss", 1)):  # no training at step 0
-      a, epoch = _nan(h[key][start:]), h["epoch"][start:]
+      a, epoch = nan_array(h[key][start:]), h["epoch"][start:]
       mean, std = np.nanmean(a, axis=1), np.nanstd(a, axis=1)
       ax.plot(epoch, mean, color=color, lw=2 if m == "ccola_ud" else 1.2,
               label=describe(m, config["friction"]), marker="o" if len(h["epoch"]) < 12 else None)
@@ -819,18 +814,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "published": {"min_valid_loss": PUBLISHED,
                       "note": "minimum validation loss in 200 epochs, Penn Treebank (batch 1024, gamma 0.5) "
                               "and Wikitext-2 (batch 128, gamma 1); none for kjv"},
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv[:1], *argv]),
-        "argv": argv,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "versions": {"jax": jax.__version__, "jaxlib": __import__("jaxlib").__version__,
-                     "optax": optax.__version__, "numpy": np.__version__, "cola_jax": cola.__version__},
-        "wall_time_s": time.perf_counter() - start,
+        **provenance(argv, start),
     }
-    tmp = json_path + ".tmp"
-    with open(tmp, "w") as f:
-      json.dump(out, f, indent=1, allow_nan=False)
-    os.replace(tmp, json_path)
+    write_json(json_path, out)
     if status == "complete":  # a partial run: --replot draws its figure
       plot(results, out["config"], png_path, data_info)
     return out
