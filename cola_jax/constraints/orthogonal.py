@@ -50,17 +50,6 @@ from cola_jax.constraints.base import Constraint
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _replicated(x):
-  """``out_sharding`` for a small product reduced over ``x``'s sharded rows.
-
-  Under explicit sharding (the default axis type of ``jax.make_mesh``) a
-  contraction over a sharded axis needs its output sharding; the Gram-sized
-  results here are replicated. Elsewhere (no mesh, auto axes) None: XLA decides.
-  """
-  sharding = explicit_sharding(x)
-  return None if sharding is None else sharding.update(spec=jax.sharding.PartitionSpec())
-
-
 def tall_view(w: jax.Array) -> jax.Array:
   """The ``(r, s)`` matrix, ``r >= s``, with orthonormal columns on the manifold."""
   matrix = w.reshape(-1, w.shape[-1])
@@ -76,16 +65,13 @@ def from_tall_view(q: jax.Array, like: jax.Array) -> jax.Array:
 
 def gram_defect(q: jax.Array) -> jax.Array:
   """``Q^T Q - I`` at full float32 precision on every backend."""
-  # A small (s, s) matrix, replicated: with rows sharded, an all-reduce of the
-  # per-shard Grams (explicit-sharding meshes require the output sharding).
-  gram = jnp.matmul(q.T, q, precision=_HIGHEST, out_sharding=_replicated(q))
-  return gram - jnp.eye(q.shape[1], dtype=q.dtype)
+  return stiefel_projection.gram(q, q) - jnp.eye(q.shape[1], dtype=q.dtype)
 
 
 def polar_factor(q: jax.Array) -> jax.Array:
   """The nearest matrix with orthonormal columns, ``U V^T`` from ``Q = U S V^T``."""
   sharding = jax.typeof(q).sharding
-  replicated = _replicated(q)
+  replicated = stiefel_projection.replicated(q)
   if replicated is not None:  # explicit sharding: the SVD needs the whole matrix
     q = jax.sharding.reshard(q, replicated)
   u, _, vt = jnp.linalg.svd(q, full_matrices=False)
@@ -215,7 +201,7 @@ class Orthogonal(Constraint):
 
   def cotangent(self, point, vector):
     q = point.matrix
-    sym = jnp.matmul(vector.T, q, precision=_HIGHEST, out_sharding=_replicated(q))
+    sym = stiefel_projection.gram(vector, q)
     return vector - 0.5 * jnp.matmul(q, sym + sym.T, precision=_HIGHEST)
 
   def cotangent_normal(self, key, point):

@@ -76,11 +76,22 @@ def _mm(a, b):
   return jnp.matmul(a, b, precision=_HIGHEST)
 
 
-def _gram(a, b):
-  """``a^T b``: an ``(s, s)`` product over rows, replicated under explicit sharding."""
-  sharding = explicit_sharding(a)
-  out = None if sharding is None else sharding.update(spec=jax.sharding.PartitionSpec())
-  return jnp.matmul(a.T, b, precision=_HIGHEST, out_sharding=out)
+def replicated(x):
+  """``out_sharding`` for a small product reduced over ``x``'s sharded rows.
+
+  Under explicit sharding (the default axis type of ``jax.make_mesh``) a
+  contraction over a sharded axis needs its output sharding; the Gram-sized
+  results here are replicated. Elsewhere (no mesh, auto axes) None: XLA decides.
+  """
+  sharding = explicit_sharding(x)
+  return None if sharding is None else sharding.update(spec=jax.sharding.PartitionSpec())
+
+
+def gram(a, b):
+  """``a^T b``: an ``(s, s)`` product over rows at full float32 precision on
+  every backend, replicated under explicit sharding (an all-reduce of the
+  per-shard products)."""
+  return jnp.matmul(a.T, b, precision=_HIGHEST, out_sharding=replicated(a))
 
 
 def _size(m, norm):
@@ -97,7 +108,7 @@ def _sym(m):
 
 def defect(q, norm="fro"):
   """``|Q^T Q - I|`` in the given norm, products at full float32 precision."""
-  return _size(_gram(q, q) - jnp.eye(q.shape[1], dtype=q.dtype), norm)
+  return _size(gram(q, q) - jnp.eye(q.shape[1], dtype=q.dtype), norm)
 
 
 def _finish(q_n, q, tolerance, max_iterations, norm, used):
@@ -111,9 +122,9 @@ def _finish(q_n, q, tolerance, max_iterations, norm, used):
   def step(carry):
     q, f, k = carry
     q = q - 0.5 * _mm(q_n, f)
-    return q, _gram(q, q) - eye, k + 1
+    return q, gram(q, q) - eye, k + 1
 
-  q, f, k = jax.lax.while_loop(not_done, step, (q, _gram(q, q) - eye, used))
+  q, f, k = jax.lax.while_loop(not_done, step, (q, gram(q, q) - eye, used))
   return Projection(q, k, _size(f, norm) <= tolerance)
 
 
@@ -128,8 +139,8 @@ def quasi_newton_projection(q_n, q_bar, tolerance=1e-5, max_iterations=100, norm
 
 def _reduce(q_n, q_bar):
   """``C = Q_n^T Q_bar`` and ``K = I + C^T C - Q_bar^T Q_bar``."""
-  c = _gram(q_n, q_bar)
-  k = jnp.eye(c.shape[0], dtype=c.dtype) + _sym(_mm(c.T, c) - _gram(q_bar, q_bar))
+  c = gram(q_n, q_bar)
+  k = jnp.eye(c.shape[0], dtype=c.dtype) + _sym(_mm(c.T, c) - gram(q_bar, q_bar))
   return c, k
 
 
