@@ -58,6 +58,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import cola_jax as cola  # noqa: E402
+from conftest import mlp_params  # noqa: E402  (this folder is on sys.path: the script's own)
 
 STEPS = 20
 SIZES = (32, 16, 8)  # every kernel (in, out) is tall: Q = W
@@ -87,16 +88,8 @@ _SHAPE = re.compile(r"= \w+\[([\d,]*)\]")
 
 def problem():
   """An MLP regression: (params, x, y)."""
-  key = jax.random.key(0)
-  params = {}
-  for i, (fan_in, fan_out) in enumerate(zip(SIZES[:-1], SIZES[1:])):
-    key, kw, kb = jax.random.split(key, 3)
-    bound = 1 / np.sqrt(fan_in)
-    params[f"layer{i}"] = {
-        "w": jax.random.uniform(kw, (fan_in, fan_out), minval=-bound, maxval=bound),
-        "b": jax.random.uniform(kb, (fan_out,), minval=-bound, maxval=bound),
-    }
-  kx, kt = jax.random.split(key)
+  kp, kx, kt = jax.random.split(jax.random.key(0), 3)
+  params = mlp_params(kp, SIZES)
   x = jax.random.normal(kx, (64, SIZES[0]))
   y = jnp.tanh(x @ jax.random.normal(kt, (SIZES[0], SIZES[-1])) / np.sqrt(SIZES[0]))
   return params, x, y
