@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from cola_jax import _noise
 from cola_jax._numerics import explicit_sharding
 
 Point = Any
@@ -132,7 +133,7 @@ class Euclidean(Constraint):
     return grad
 
   def ambient_normal(self, key, point):
-    return jax.random.normal(key, point.shape, point.dtype, out_sharding=explicit_sharding(point))
+    return _noise.normal(key, point.shape, point.dtype, out_sharding=explicit_sharding(point))
 
   def project(self, anchor, step):
     return anchor + step

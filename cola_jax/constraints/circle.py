@@ -28,6 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from cola_jax import _noise
 from cola_jax._numerics import concrete_float, explicit_sharding, inverse_sqrt, sincos
 from cola_jax.constraints.base import Constraint
 
@@ -113,7 +114,7 @@ class Circle(Constraint):
     sharding = explicit_sharding(theta)
     if sharding is not None:  # the pair axis in front, unsharded
       sharding = sharding.update(spec=jax.sharding.PartitionSpec(None, *sharding.spec))
-    noise = jax.random.normal(key, (2,) + theta.shape, theta.dtype, out_sharding=sharding)
+    noise = _noise.normal(key, (2,) + theta.shape, theta.dtype, out_sharding=sharding)
     return noise[0], noise[1]
 
   def project(self, anchor, step):
@@ -126,7 +127,7 @@ class Circle(Constraint):
 
   def cotangent_normal(self, key, point):
     theta, _ = point
-    return jax.random.normal(key, theta.shape, theta.dtype, out_sharding=explicit_sharding(theta))
+    return _noise.normal(key, theta.shape, theta.dtype, out_sharding=explicit_sharding(theta))
 
   def a_step(self, point, momentum, h):
     theta, xi = point

@@ -94,6 +94,7 @@ from typing import Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from cola_jax import _noise
 from cola_jax._numerics import concrete_float
 from cola_jax.constraints.base import Constraint
 
@@ -347,7 +348,7 @@ class Implicit(Constraint):
     return jnp.concatenate([grad.ravel(), jnp.zeros(point.slack.size, grad.dtype)])
 
   def ambient_normal(self, key, point):
-    return jax.random.normal(key, (point.x.size + point.slack.size,), point.x.dtype)
+    return _noise.normal(key, (point.x.size + point.slack.size,), point.x.dtype)
 
   def project(self, anchor, step):
     q, _, k, converged = self._shake(

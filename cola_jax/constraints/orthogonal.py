@@ -43,6 +43,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from cola_jax import _noise
 from cola_jax._numerics import concrete_float, explicit_sharding
 from cola_jax.constraints import stiefel_projection
 from cola_jax.constraints.base import Constraint
@@ -188,8 +189,8 @@ class Orthogonal(Constraint):
     return tall_view(grad)
 
   def ambient_normal(self, key, point):
-    return jax.random.normal(key, point.matrix.shape, point.matrix.dtype,
-                             out_sharding=explicit_sharding(point.matrix))
+    return _noise.normal(key, point.matrix.shape, point.matrix.dtype,
+                         out_sharding=explicit_sharding(point.matrix))
 
   def project(self, anchor, step):
     moved = anchor.matrix + step

@@ -64,6 +64,7 @@ from typing import NamedTuple, Optional, Union
 import jax
 import jax.numpy as jnp
 
+from cola_jax import _noise
 from cola_jax._numerics import concrete_float, explicit_sharding, inverse_sqrt, sincos
 from cola_jax.constraints.base import Constraint
 
@@ -230,8 +231,8 @@ class Sphere(Constraint):
     w, xi = point
     key_w, key_xi = jax.random.split(key)
     return (
-        jax.random.normal(key_w, w.shape, w.dtype, out_sharding=explicit_sharding(w)),
-        jax.random.normal(key_xi, xi.shape, xi.dtype, out_sharding=explicit_sharding(xi)),
+        _noise.normal(key_w, w.shape, w.dtype, out_sharding=explicit_sharding(w)),
+        _noise.normal(key_xi, xi.shape, xi.dtype, out_sharding=explicit_sharding(xi)),
     )
 
   def project(self, anchor, step):
@@ -269,7 +270,7 @@ class Sphere(Constraint):
 
   def cotangent_normal(self, key, point):
     w, _ = point
-    return jax.random.normal(key, w.shape, w.dtype, out_sharding=explicit_sharding(w))
+    return _noise.normal(key, w.shape, w.dtype, out_sharding=explicit_sharding(w))
 
   def momentum_vector(self, point, momentum):
     """The cotangent vector ``(p^w, p^xi)`` of a momentum in stored coordinates."""
