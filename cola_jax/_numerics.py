@@ -68,6 +68,32 @@ def inverse_sqrt(z: jax.Array) -> jax.Array:
   return y - y * e * (np.float32(0.5) - np.float32(0.375) * e)
 
 
+@jax.custom_jvp
+def computed_together(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+  """The arrays (all of one shape), unchanged, computed in one pass over their entries.
+
+  XLA's CPU backend has no multi-output loop fusion: each array that several
+  consumers need is recomputed inside each consumer's loop (or written out
+  piecewise, where it contains a ``log`` or ``sqrt``). A variadic reduction is
+  one loop with several results, so on CPU the arrays are returned as sums over
+  a trailing axis of length two whose second entries are zeros (``x + 0`` is
+  ``x``, up to the sign of a zero): every intermediate they share is computed
+  once and each array is written to memory once. Other backends fuse
+  multi-output loops themselves and get the arrays as they are.
+  """
+  if jax.default_backend() != "cpu" or not arrays:
+    return arrays
+  padded = tuple(jnp.stack([x, jnp.zeros_like(x)], axis=-1) for x in arrays)
+  zeros = tuple(np.zeros((), x.dtype) for x in arrays)
+  return tuple(jax.lax.reduce(
+      padded, zeros, lambda a, b: tuple(u + v for u, v in zip(a, b)), (arrays[0].ndim,)))
+
+
+@computed_together.defjvp
+def _computed_together_jvp(primals, tangents):
+  return computed_together(*primals), tuple(tangents)
+
+
 def concrete_float(value: Any) -> Optional[float]:
   """The value as a Python float when it is known now, else None.
 

@@ -1,4 +1,4 @@
-"""The written-out Threefry normal draws the numbers of ``jax.random.normal``."""
+"""The written-out Threefry normal draws the numbers of ``jax.random.normal``; one-pass helper."""
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +7,7 @@ import pytest
 
 import cola_jax as cola
 from cola_jax import _noise
+from cola_jax._numerics import computed_together
 
 SHAPES = [(), (1,), (7,), (3, 4), (2, 300, 70), (3, 3, 8, 16)]
 KEYS = {
@@ -66,3 +67,20 @@ def test_the_hash_is_not_a_loop_in_a_noisy_update():
   loops = [line for line in text.splitlines() if " while(" in line]
   assert loops, "expected the key split's small loops (the test would not see a change)"
   assert not any("[64,32]" in line for line in loops)
+
+
+def test_computed_together_returns_its_arguments():
+  x = jax.random.normal(jax.random.key(0), (3, 5))
+  y = jnp.arange(15.0).reshape(3, 5) - 7
+  n = jnp.arange(15, dtype=jnp.int32).reshape(3, 5)
+  together = jax.jit(computed_together)(x, y, n)
+  for a, b in zip(together, (x, y, n)):
+    assert a.dtype == b.dtype
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  batched = jax.vmap(computed_together)(x, y)
+  np.testing.assert_array_equal(np.asarray(batched[1]), np.asarray(y))
+  # The identity's derivative, under grad and jvp.
+  grad = jax.grad(lambda a: jnp.sum(computed_together(a, a * a)[1]))(x)
+  np.testing.assert_allclose(np.asarray(grad), np.asarray(2 * x), rtol=1e-6)
+  _, tangent = jax.jvp(lambda a: computed_together(a)[0], (x,), (y,))
+  np.testing.assert_array_equal(np.asarray(tangent), np.asarray(y))

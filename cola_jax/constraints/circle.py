@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from cola_jax import _noise
-from cola_jax._numerics import concrete_float, explicit_sharding, inverse_sqrt, sincos
+from cola_jax._numerics import (
+    computed_together, concrete_float, explicit_sharding, inverse_sqrt, sincos)
 from cola_jax.constraints.base import Constraint
 
 
@@ -115,7 +116,9 @@ class Circle(Constraint):
     if sharding is not None:  # the pair axis in front, unsharded
       sharding = sharding.update(spec=jax.sharding.PartitionSpec(None, *sharding.spec))
     noise = _noise.normal(key, (2,) + theta.shape, theta.dtype, out_sharding=sharding)
-    return noise[0], noise[1]
+    # Both halves feed both new coordinates: drawn once into memory rather
+    # than recomputed in each coordinate's loop.
+    return computed_together(noise[0], noise[1])
 
   def project(self, anchor, step):
     return self._onto_circle(anchor[0] + step[0], anchor[1] + step[1])
