@@ -51,6 +51,11 @@ def test_smoke_run_writes_the_documented_report(step_overhead, tmp_path):
     assert {"name", "value", "limit", "met"} <= set(target)
     assert target["value"] is not None and target["met"] in (True, False)
 
+  floor = report["one_loop_floor"]
+  assert floor["shape"] == list(report["config"]["models"]["mlp784"]["sizes"][:2])
+  for key in ("method_ms", "baseline_ms", "ratio"):
+    assert math.isfinite(floor[key]) and floor[key] > 0
+
   # State sizes: c-CoLA-ud keeps a slack and a momentum per constrained
   # weight, SGD-m one momentum per parameter.
   sizes = report["state_bytes"]["mlp784"]["c_cola_ud"]
