@@ -56,6 +56,11 @@ def test_smoke_run_writes_the_documented_report(step_overhead, tmp_path):
   for key in ("method_ms", "baseline_ms", "ratio"):
     assert math.isfinite(floor[key]) and floor[key] > 0
 
+  bound = report["projection_floor"]
+  assert bound["layers"] >= 1 and bound["ratio_bound"] > 1
+  for key in ("products_ms", "sgd_step_ms"):
+    assert math.isfinite(bound[key]) and bound[key] > 0
+
   # State sizes: c-CoLA-ud keeps a slack and a momentum per constrained
   # weight, SGD-m one momentum per parameter.
   sizes = report["state_bytes"]["mlp784"]["c_cola_ud"]
