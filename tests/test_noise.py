@@ -50,6 +50,15 @@ def test_other_generators_are_jax_random_normal():
       np.asarray(jax.random.normal(key, (64,), jnp.float32)))
 
 
+def test_the_original_threefry_mode_is_jax_random_normal():
+  key = jax.random.key(0)
+  with jax.threefry_partitionable(False):
+    ours = _noise.normal(key, (64,), jnp.float32)
+    theirs = jax.random.normal(key, (64,), jnp.float32)
+  np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+  assert not np.array_equal(np.asarray(ours), np.asarray(_noise.normal(key, (64,), jnp.float32)))
+
+
 def test_standard_normal_moments():
   z = np.asarray(_noise.normal(jax.random.key(0), (200_000,), jnp.float32), np.float64)
   n = z.size
