@@ -4,7 +4,7 @@ JAX's default generator hashes each entry's index with Threefry-2x32 (20
 rounds of add, rotate, xor; Salmon et al. 2011). On CPU, JAX lowers the 20
 rounds as a loop of five iterations over the whole array, which keeps compile
 times short but makes every draw five passes over memory, written and read
-back. Inside a Langevin step that loop costs about as much as the rest of the
+back. Inside a Langevin step that loop cost more than the rest of the
 update. :func:`normal` computes the same hash written out round by round, so
 that XLA fuses it, the conversion to a normal and its consumers into one pass;
 the numbers are those of ``jax.random.normal(key, shape, dtype)``, bit for bit.
