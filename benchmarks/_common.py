@@ -63,6 +63,16 @@ def mean_std(values) -> tuple[float, float]:
   return float(np.nanmean(a)), float(np.nanstd(a))
 
 
+def mean_std_fields(entry: dict, keys) -> dict:
+  """``{key}_mean`` and ``{key}_std`` over the seeds in ``entry[key]`` for each key,
+  ``None`` where nothing is finite (JSON has no NaN)."""
+  out = {}
+  for key in keys:
+    for suffix, value in zip(("_mean", "_std"), mean_std(entry[key])):
+      out[key + suffix] = None if math.isnan(value) else value
+  return out
+
+
 def provenance(argv: list, start: float, packages: tuple = ()) -> dict:
   """What a results JSON records about its run: command line, date, machine,
   versions (jax, jaxlib, optax, numpy, cola_jax and ``packages``) and the wall

@@ -82,7 +82,7 @@ import optax  # noqa: E402
 import cola_jax as cola  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
-from _common import finite_list, mean_std, nan_array, provenance, torch_uniform, write_json  # noqa: E402
+from _common import finite_list, mean_std, mean_std_fields, nan_array, provenance, torch_uniform, write_json  # noqa: E402
 
 SCHEMA_VERSION = 1
 DEFAULT_DATA_DIR = "/usr/share/datasets/fashion-mnist"
@@ -365,13 +365,9 @@ def build(method: str, config: Config):
 # ----------------------------------------------------------------------------- reporting
 
 
-
 def summarize(entry: dict) -> dict:
-  out = {}
-  for key in ("test_accuracy", "test_loss", "best_test_accuracy", "min_test_loss", "train_accuracy",
-              "train_loss"):
-    out[key + "_mean"], out[key + "_std"] = mean_std(entry[key])
-  return json.loads(json.dumps(out).replace("NaN", "null"))
+  return mean_std_fields(entry, ("test_accuracy", "test_loss", "best_test_accuracy",
+                                 "min_test_loss", "train_accuracy", "train_loss"))
 
 
 def summary_table(results: dict, methods: Sequence[str]) -> str:

@@ -100,7 +100,6 @@ prints a table.
 
 import argparse
 import functools
-import json
 import math
 import os
 import pathlib
@@ -120,7 +119,7 @@ from flax import linen as nn  # noqa: E402
 import cola_jax as cola  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
-from _common import finite_list, mean_std, provenance, write_json  # noqa: E402
+from _common import finite_list, mean_std, mean_std_fields, provenance, write_json  # noqa: E402
 import fashion_mnist  # noqa: E402
 
 SCHEMA_VERSION = 1
@@ -569,12 +568,12 @@ def _entry(runs: list, method: str) -> dict:
 
 
 def summarize(entry: dict) -> dict:
-  out = {}
-  for key in ("test_accuracy", "best_test_accuracy", "test_loss", "min_test_loss", "train_loss"):
-    out[key + "_mean"], out[key + "_std"] = mean_std(entry[key])
+  out = mean_std_fields(entry, ("test_accuracy", "best_test_accuracy", "test_loss",
+                                "min_test_loss", "train_loss"))
   if "constraint_residuals" in entry:
-    out["max_constraint_residual"] = max(max(v) for v in entry["constraint_residuals"].values())
-  return json.loads(json.dumps(out).replace("NaN", "null"))
+    residual = max(max(v) for v in entry["constraint_residuals"].values())
+    out["max_constraint_residual"] = None if math.isnan(residual) else residual
+  return out
 
 
 def summary_table(results: dict, methods: Sequence[str]) -> str:

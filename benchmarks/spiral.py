@@ -66,7 +66,7 @@ import optax  # noqa: E402
 import cola_jax as cola  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
-from _common import finite_list, mean_std, provenance, write_json, torch_uniform  # noqa: E402
+from _common import finite_list, mean_std, mean_std_fields, provenance, write_json, torch_uniform  # noqa: E402
 
 SCHEMA_VERSION = 1
 
@@ -555,10 +555,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                           "ocola_od_tau": "as ocola_od"},
                  "data": "one data set (data_seed) shared by all methods and seeds; seed s fixes "
                          "init, minibatch order and noise, the same for every method"}
-  summary = {m: {str(d): dict(zip(("test_accuracy_mean", "test_accuracy_std"),
-                                  mean_std(results[m][str(d)]["test_accuracy"])))
-                 | dict(zip(("train_loss_mean", "train_loss_std"),
-                            mean_std(results[m][str(d)]["train_loss"])))
+  summary = {m: {str(d): mean_std_fields(results[m][str(d)], ("test_accuracy", "train_loss"))
                  for d in config.depths} for m in config.methods}
   out = {
       "schema_version": SCHEMA_VERSION,
@@ -568,7 +565,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
       "depths": list(config.depths),
       "seeds": list(range(config.seeds)),
       "results": results,
-      "summary": json.loads(json.dumps(summary).replace("NaN", "null")),
+      "summary": summary,
       **provenance(argv, start),
   }
   json_path = os.path.join(args.out, "spiral.json")

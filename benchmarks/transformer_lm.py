@@ -143,7 +143,7 @@ import optax  # noqa: E402
 import cola_jax as cola  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
-from _common import finite_list, mean_std, nan_array, provenance, torch_uniform, write_json  # noqa: E402
+from _common import finite_list, mean_std, mean_std_fields, nan_array, provenance, torch_uniform, write_json  # noqa: E402
 
 SCHEMA_VERSION = 1
 CORPORA = ("kjv", "ptb", "wikitext2")
@@ -577,12 +577,9 @@ def eval_schedule(total_steps: int, eval_steps: int) -> list[int]:
 # ----------------------------------------------------------------------------- reporting
 
 
-
 def summarize(entry: dict) -> dict:
-  out = {}
-  for key in ("min_valid_loss", "final_valid_loss", "test_loss_at_min_valid", "final_train_loss"):
-    out[key + "_mean"], out[key + "_std"] = mean_std(entry[key])
-  return json.loads(json.dumps(out).replace("NaN", "null"))
+  return mean_std_fields(entry, ("min_valid_loss", "final_valid_loss", "test_loss_at_min_valid",
+                                 "final_train_loss"))
 
 
 def summary_table(results: dict, methods: Sequence[str], corpus: str, friction: float) -> str:
