@@ -48,8 +48,6 @@ kernel of the spiral MLP against SGD's whole step: ``layers``, ``shape``,
 """
 
 import argparse
-import datetime
-import json
 import math
 import os
 import pathlib
@@ -71,7 +69,7 @@ from cola_jax._numerics import computed_together  # noqa: E402
 from cola_jax.constraints.circle import CircleState  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
-from _common import machine_info  # noqa: E402
+from _common import provenance, write_json  # noqa: E402
 
 RESULT_KEYS = ("model", "method", "baseline", "temperature", "kind", "method_ms",
                "baseline_ms", "ratio", "ratio_of_paired", "method_iqr_ms",
@@ -266,7 +264,7 @@ def one_loop_floor(shape, radius: float, h: float, gamma: float, args) -> dict:
           "ratio": method_ms / baseline_ms, "repetitions": len(t_m)}
 
 
-def projection_floor(model: Model, h: float, args) -> dict:
+def projection_floor(params, batch, loss_fn, h: float, args) -> dict:
   """Two matrix products per square kernel against SGD's whole training step.
 
   A verified projection onto the Stiefel manifold needs at least the Gram
@@ -274,9 +272,6 @@ def projection_floor(model: Model, h: float, args) -> dict:
   alone bounds the o-CoLA-od / SGD step ratio from below on a machine where
   products run at their flop rate.
   """
-  params = init_mlp(jax.random.key(args.seed), model.sizes)
-  batch = make_batch(model, jax.random.key(args.seed + 1))
-  loss_fn = make_loss(model)
   sgd_step, sgd_carry = build("step", optax.sgd(h), loss_fn, params, None, batch)
   # Orthogonal kernels: w (w^T w) = w, so the timed carry neither grows nor decays.
   squares = [jnp.linalg.qr(layer["kernel"])[0] for layer in params.values()
@@ -441,7 +436,9 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
+  argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(argv)
+  start = time.perf_counter()
   if args.smoke:
     args.repetitions = min(args.repetitions, 5)
     args.warmup = min(args.warmup, 1)
@@ -515,19 +512,13 @@ def main(argv=None) -> dict:
                            args.h_c_ud, args.friction, args)
 
   products = None
-  if "spiral8x100" in args.models and "o_cola_od" in args.methods:
-    model = next(m for m in models(args.smoke) if m.name == "spiral8x100")
-    products = projection_floor(model, args.h_o_od, args)
+  if "spiral8x100" in cache and "o_cola_od" in args.methods:
+    params, batch, loss_fn, _ = cache["spiral8x100"]
+    products = projection_floor(params, batch, loss_fn, args.h_o_od, args)
 
   targets = targets_from(results)
   report = {
-      "meta": {
-          "command": " ".join([os.path.basename(sys.executable)] + sys.argv) if argv is None
-                     else "step_overhead.main(" + repr(list(argv)) + ")",
-          "argv": list(sys.argv if argv is None else argv),
-          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-          "machine": machine_info(),
-      },
+      "meta": provenance(argv, start),
       "config": {
           "smoke": args.smoke, "repetitions": args.repetitions, "warmup": args.warmup,
           "budget_s": args.budget, "temperatures": temperatures,
@@ -544,8 +535,7 @@ def main(argv=None) -> dict:
       "projection_floor": products,
   }
   json_path = os.path.join(args.out, "step_overhead.json")
-  with open(json_path, "w") as f:
-    json.dump(report, f, indent=1)
+  write_json(json_path, report)
   plot(results, os.path.join(args.out, "step_overhead.png"))
   print(table(results, state_bytes, targets))
   if floor is not None:

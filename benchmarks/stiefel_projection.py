@@ -81,8 +81,6 @@ under ``--out``.
 """
 
 import argparse
-import datetime
-import json
 import os
 import pathlib
 import sys
@@ -97,7 +95,7 @@ import numpy as np  # noqa: E402
 from cola_jax.constraints import stiefel_projection as sp  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
-from _common import finite_list, machine_info  # noqa: E402
+from _common import finite_list, provenance, write_json  # noqa: E402
 
 TOP_KEYS = ("meta", "config", "floors", "results", "batching", "targets")
 RESULT_KEYS = ("shape", "h", "kind", "method", "force", "ms", "iterations", "converged",
@@ -382,7 +380,9 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
+  argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(argv)
+  start = time.perf_counter()
   if args.smoke:
     args.sizes, args.tall, args.split_shape = [], ["48x16"], "48x16"
     args.repetitions, args.budget = 1, 0.5
@@ -468,13 +468,7 @@ def main(argv=None) -> dict:
 
   targets = targets_from(results)
   report = {
-      "meta": {
-          "command": " ".join([os.path.basename(sys.executable)] + sys.argv) if argv is None
-                     else "stiefel_projection.main(" + repr(list(argv)) + ")",
-          "argv": list(sys.argv if argv is None else argv),
-          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-          "machine": machine_info(),
-      },
+      "meta": provenance(argv, start),
       "config": {
           "smoke": args.smoke, "shapes": [list(sh) for sh in shapes], "h": args.h,
           "temperature": args.temperature, "grad_rms": args.grad_rms,
@@ -493,8 +487,7 @@ def main(argv=None) -> dict:
       "targets": targets,
   }
   json_path = os.path.join(args.out, "stiefel_projection.json")
-  with open(json_path, "w") as f:
-    json.dump(report, f, indent=1)
+  write_json(json_path, report)
   png_path = os.path.join(args.out, "stiefel_projection.png")
   plot(results, batching, png_path)
   print(table(floors, results, batching, targets, args.tolerance))
