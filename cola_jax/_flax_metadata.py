@@ -14,6 +14,7 @@ from flax.nnx import variablelib
 from cola_jax.constraints.base import Constraint
 
 METADATA_KEY = "constraint"  # the nnx Variable metadata entry: ``variable.constraint``
+SHAPE_KEY = "constraint_shape"  # the shape the constraint was declared for (nnx)
 
 
 class Constrained(variablelib.VariableMetadata, meta.AxisMetadata):
@@ -21,11 +22,17 @@ class Constrained(variablelib.VariableMetadata, meta.AxisMetadata):
 
   A pytree node with one child (the value); the constraint is static
   (hashable aux data), so jit, grad, optax and orbax see the value only, and
-  trees with the same constraints have equal structures.
+  trees with the same constraints have equal structures. ``shape``, given when
+  the box is made by an initializer, goes into an nnx Variable's metadata, so
+  that a parameter whose shape changed later (``nnx.vmap`` stacking layers) is
+  caught instead of constrained as one matrix.
   """
 
-  def __init__(self, value, constraint: Constraint):
-    super().__init__(value, metadata={METADATA_KEY: constraint})
+  def __init__(self, value, constraint: Constraint, shape=None):
+    metadata = {METADATA_KEY: constraint}
+    if shape is not None:
+      metadata[SHAPE_KEY] = tuple(shape)
+    super().__init__(value, metadata=metadata)
 
   @property
   def constraint(self) -> Constraint:

@@ -58,14 +58,14 @@ def _declare(value, constraint: Constraint, flax_metadata):
         f"constraint {value.metadata[flax_metadata.METADATA_KEY]!r}; a parameter "
         "carries one constraint.")
   if isinstance(value, flax_metadata.VariableMetadata):  # nnx, e.g. nnx.with_partitioning
+    declared = {flax_metadata.METADATA_KEY: constraint, flax_metadata.SHAPE_KEY: tuple(jnp.shape(value.raw_value))}
     return dataclasses.replace(
-        value, raw_value=_on_manifold(value.raw_value, constraint),
-        metadata={**value.metadata, flax_metadata.METADATA_KEY: constraint})
+        value, raw_value=_on_manifold(value.raw_value, constraint), metadata={**value.metadata, **declared})
   if isinstance(value, flax_metadata.AxisMetadata):  # linen, e.g. nn.with_partitioning
     # The constraint goes inside, so that the outer box (and its partition
     # spec) stays where Flax looks for it.
     return value.replace_boxed(_declare(value.unbox(), constraint, flax_metadata))
-  return flax_metadata.Constrained(_on_manifold(value, constraint), constraint)
+  return flax_metadata.Constrained(_on_manifold(value, constraint), constraint, jnp.shape(value))
 
 
 def with_constraint(initializer: Callable[..., Any], constraint: Constraint) -> Callable[..., Any]:
@@ -86,9 +86,11 @@ def with_constraint(initializer: Callable[..., Any], constraint: Constraint) -> 
     nnx does not unwrap initializer metadata nested the other way.
 
   :func:`constraints_from` reads the constraints back as the pytree that
-  ``constraints=`` takes. Declared parameters cannot gain an axis in linen's
-  ``nn.scan``/``nn.vmap`` (the axis would change what the constraint means);
-  give those constraints with :func:`cola_jax.path_constraints`.
+  ``constraints=`` takes. A declared parameter whose shape changes after its
+  initializer ran (layers stacked by linen's ``nn.scan``/``nn.vmap`` or by
+  ``nnx.vmap``, a kernel reshaped by ``nnx.LinearGeneral``) is an error, since
+  the new axes would change what the constraint means; give those constraints
+  with :func:`cola_jax.path_constraints`.
 
   Args:
     initializer: any Flax/JAX initializer ``(key, shape, dtype) -> array``,
@@ -123,8 +125,17 @@ def with_constraint(initializer: Callable[..., Any], constraint: Constraint) -> 
 def _declared_constraint(leaf, flax_metadata):
   """The constraint a parameter (a box, a Variable, or an array) declares, or None."""
   if isinstance(leaf, flax_metadata.Variable):
-    declared = leaf.get_metadata().get(flax_metadata.METADATA_KEY)
+    metadata = leaf.get_metadata()
+    declared = metadata.get(flax_metadata.METADATA_KEY)
     inner = leaf.get_raw_value()
+    shape = metadata.get(flax_metadata.SHAPE_KEY)
+    if declared is not None and shape is not None and tuple(jnp.shape(inner)) != shape:
+      raise ValueError(
+          f"constraints_from: an nnx {type(leaf).__name__} of shape {tuple(jnp.shape(inner))} "
+          f"declares {declared!r} for the shape {shape} it was initialised with (nnx.vmap or "
+          "nnx.scan stacked it, or the layer reshaped its kernel), which changes what the "
+          "constraint means. Give the constraint of the stacked parameter with "
+          "cola.path_constraints or an explicit constraint pytree instead.")
   else:
     declared, inner = None, leaf
   boxes = [box for box in jax.tree.leaves(inner, is_leaf=lambda x: isinstance(x, flax_metadata.Constrained))
@@ -161,7 +172,8 @@ def constraints_from(tree: Any) -> Any:
 
   Raises:
     ValueError: no parameter of ``tree`` declares a constraint (it was unboxed
-      first, or comes from ``nnx.as_pure``), or one declares two.
+      first, or comes from ``nnx.as_pure``), one declares two, or an nnx
+      parameter's shape is no longer the one its constraint was declared for.
 
   Example:
     >>> variables = model.init(key, x)  # doctest: +SKIP

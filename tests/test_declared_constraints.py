@@ -265,6 +265,16 @@ def test_nnx_declarations_compose_with_nnx_partitioning():
     cola.constraints_from(nnx.state(reversed_order, nnx.Param))
 
 
+def test_nnx_declarations_refuse_layers_stacked_by_vmap():
+  @nnx.vmap(in_axes=0, out_axes=0)
+  def stacked_layers(key):
+    return nnx.Linear(4, 4, kernel_init=cola.with_constraint(LECUN, ORTHOGONAL), rngs=nnx.Rngs(key))
+
+  layers = stacked_layers(jax.random.split(jax.random.key(0), 3))
+  with pytest.raises(ValueError, match=r"of shape \(3, 4, 4\) declares Orthogonal.* for the shape \(4, 4\)"):
+    cola.constraints_from(nnx.state(layers, nnx.Param))
+
+
 def test_orbax_round_trip_of_an_nnx_state_keeps_the_constraints(tmp_path):
   model = NnxMLP(nnx.Rngs(0))
   state = nnx.state(model)
