@@ -7,6 +7,8 @@ the metadata of the ``nnx.Variable`` it creates. Only :mod:`cola_jax.declared`
 imports this module, and only when Flax is in use.
 """
 
+from typing import Any
+
 import jax
 from flax.core import meta
 from flax.nnx import variablelib
@@ -29,7 +31,7 @@ class Constrained(variablelib.VariableMetadata, meta.AxisMetadata):
   """
 
   def __init__(self, value, constraint: Constraint, shape=None):
-    metadata = {METADATA_KEY: constraint}
+    metadata: dict[str, Any] = {METADATA_KEY: constraint}
     if shape is not None:
       metadata[SHAPE_KEY] = tuple(shape)
     super().__init__(value, metadata=metadata)
