@@ -26,8 +26,10 @@ from cola_jax.constraints import (
     Sphere,
     SphereState,
 )
+from cola_jax.declared import constraints_from, with_constraint
 from cola_jax.diagnostics import constraint_residuals
 from cola_jax.initialization import project_params
+from cola_jax.path_rules import path_constraints
 from cola_jax.transforms import OverdampedState, UnderdampedState, cola_od, cola_ud
 
 __version__ = "0.1.0"
@@ -50,11 +52,14 @@ __all__ = [
     "cola_od",
     "cola_ud",
     "constraint_residuals",
+    "constraints_from",
     "langevin",
     "langevin_to_sgd_momentum",
     "o_cola_od",
     "o_cola_ud",
     "orthogonal_constraints",
+    "path_constraints",
     "project_params",
     "sgd_momentum_to_langevin",
+    "with_constraint",
 ]
