@@ -12,10 +12,15 @@ Overdamped methods (``c_cola_od``, ``o_cola_od``) are compared with
 ``optax.sgd(h)``; underdamped ones (``c_cola_ud``, ``o_cola_ud``) with the
 SGD-momentum they reduce to without constraints and noise,
 ``optax.sgd(h**2, momentum=exp(-gamma h))``. Each is measured at temperature 0
-(no noise drawn) and at ``tau > 0`` (noise drawn every step). The reported
-ratio is the median time of the method over the median time of its baseline,
-both over the same interleaved repetitions after warm-up. Also reported: the
-optimizer state size in bytes.
+(no noise drawn) and at ``tau > 0`` (noise drawn every step). The per-unit
+general constraint (``i_cola_od``, ``i_cola_ud``) puts every kernel under
+``cola.Implicit(equality=..., axis=0)`` with two components per column (its
+entries sum to zero, its norm is 1, about the norm of the initial columns);
+its baseline is the same method with ``cola.Sphere(1.0)`` on the same kernels
+(the closed-form per-unit geometry, at the same temperature and key), so its
+ratio is Implicit's time over Sphere's. The reported ratio is the median time of the
+method over the median time of its baseline, both over the same interleaved
+repetitions after warm-up. Also reported: the optimizer state size in bytes.
 
 Models:
 
@@ -29,6 +34,8 @@ Usage::
   OPENBLAS_NUM_THREADS=1 python benchmarks/step_overhead.py            # full run
   OPENBLAS_NUM_THREADS=1 python benchmarks/step_overhead.py --smoke    # seconds
   python benchmarks/step_overhead.py --skip-heavy   # no o-CoLA on mlp784
+  python benchmarks/step_overhead.py --models mlp784 --methods i_cola_od i_cola_ud \
+      --repetitions 30                              # per-unit Implicit / Sphere only
 
 Writes ``step_overhead.json`` and ``step_overhead.png`` under ``--out``.
 
@@ -76,12 +83,13 @@ RESULT_KEYS = ("model", "method", "baseline", "temperature", "kind", "method_ms"
                "baseline_iqr_ms", "repetitions")
 TOP_KEYS = ("meta", "config", "results", "state_bytes", "targets", "one_loop_floor",
             "projection_floor")
-METHODS = ("c_cola_od", "c_cola_ud", "o_cola_od", "o_cola_ud")
+METHODS = ("c_cola_od", "c_cola_ud", "o_cola_od", "o_cola_ud", "i_cola_od", "i_cola_ud")
 KINDS = ("update", "step")
 # --smoke measures only what the issue's targets name (model, method, tau > 0,
 # kind): compiling is what takes the time there.
 SMOKE_JOBS = (("mlp784", "c_cola_ud", False, "update"), ("mlp784", "c_cola_ud", False, "step"),
-              ("mlp784", "c_cola_ud", True, "step"), ("spiral8x100", "o_cola_od", False, "step"))
+              ("mlp784", "c_cola_ud", True, "step"), ("spiral8x100", "o_cola_od", False, "step"),
+              ("mlp784", "i_cola_ud", False, "step"))
 
 
 # ----------------------------------------------------------------------------
@@ -158,9 +166,33 @@ def models(smoke: bool) -> list[Model]:
 # Methods and baselines.
 
 
+def zero_sum_fixed_norm(radius: float):
+  """Per unit: the entries sum to zero and the norm is ``radius`` (two components)."""
+  return lambda unit: jnp.stack([jnp.sum(unit), jnp.sum(unit * unit) / radius**2 - 1])
+
+
 def make_pair(method: str, model: Model, args, temperature: float):
   """(method transform, baseline transform, baseline name, hyperparameters)."""
   noise = {} if temperature == 0 else {"temperature": temperature, "key": jax.random.key(7)}
+  if method in ("i_cola_od", "i_cola_ud"):
+    # Norm 1: the first update projects the initial columns (norm about 1) from
+    # nearby. (From 20 times the norm, float32 cancellation in z + G^T lambda
+    # leaves the defect above the tolerance and every projection fails.)
+    implicit = {layer: {"kernel": cola.Implicit(equality=zero_sum_fixed_norm(1.0), axis=0),
+                        "bias": None} for layer in model.radius}
+    sphere = {layer: {"kernel": cola.Sphere(1.0), "bias": None} for layer in model.radius}
+    # A key each: the timed calls donate their state, the key included.
+    fresh = lambda: {k: jax.random.key(7) if k == "key" else v for k, v in noise.items()}  # noqa: E731
+    if method == "i_cola_od":
+      h = args.h_c_od
+      make = lambda c: cola.cola_od(h, constraints=c, **fresh())  # noqa: E731
+      hyper = {"h": h, "radius": 1.0}
+    else:
+      h, gamma = args.h_c_ud, args.friction
+      make = lambda c: cola.cola_ud(h, friction=gamma, constraints=c, **fresh())  # noqa: E731
+      hyper = {"h": h, "friction": gamma, "radius": 1.0}
+    return (make(implicit), make(sphere), f"{method[2:]} Sphere, tau={temperature:g}",
+            {**hyper, "constraint": "Implicit(zero sum, norm r; axis=0)"})
   if method == "c_cola_od":
     h = args.h_c_od
     return (cola.c_cola_od(h, radius=model.radius, **noise), optax.sgd(h),
@@ -373,7 +405,7 @@ def plot(results, path):
     ax.set_ylabel("time / baseline time (median)")
     ax.set_title(model)
     ax.legend(fontsize=8)
-  fig.suptitle("CoLA step overhead vs SGD (od) / SGD-momentum (ud)")
+  fig.suptitle("CoLA step overhead vs SGD (od) / SGD-momentum (ud); i_cola_*: vs Sphere")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)

@@ -76,6 +76,18 @@ meant for a few constraint components per leaf (a norm, sums per unit, a
 small Gram matrix). Elementwise bounds on large leaves are what
 :class:`~cola_jax.Circle` and :class:`~cola_jax.Sphere` are for.
 
+Per unit. With ``axis`` given, the leaf is a collection of units (the entries
+along ``axis`` for one index of the other axes, e.g. the columns of a Dense
+kernel for ``axis=0``) and the functions constrain one unit; the manifold is
+the product of the units' manifolds. Everything above then holds for each unit
+on its own: its own ``(z, G, lambda)`` with ``G`` of size
+``m_unit x (n_unit + k_unit)``, its own Newton iteration, its own rejection
+and momentum reversal; the units are ``jax.vmap``-ed, so the cost grows
+linearly with their number. The state aggregates the diagnostics
+(``iterations`` the most any unit used, ``converged`` whether every unit's
+projections succeeded); the momentum is stored as ``(units, n_unit +
+k_unit)``, one row per unit (in the row-major order of the other axes).
+
 References:
   Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of
   Neural Networks*, OPT2020, Appendix B (general constraint).
@@ -89,13 +101,14 @@ References:
 import dataclasses
 import functools
 import math
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
 
 from cola_jax import _noise
 from cola_jax._numerics import concrete_float
+from cola_jax.constraints import _axes
 from cola_jax.constraints.base import Constraint
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -103,6 +116,18 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 def _matmul(a, b):
   return jnp.matmul(a, b, precision=_HIGHEST)
+
+
+def _or_per_unit(method):
+  """The method for the whole leaf, or its ``_per_unit_`` version when ``axis`` is given."""
+
+  @functools.wraps(method)
+  def dispatch(self, *args):
+    if self.axis is None:
+      return method(self, *args)
+    return getattr(self, "_per_unit_" + method.__name__)(*args)
+
+  return dispatch
 
 
 @functools.partial(
@@ -116,14 +141,18 @@ class ImplicitState:
   can evaluate ``g``.
   """
 
-  slack: jax.Array  # s, shaped like inequality(x); shape (0,) without inequalities
+  # s, shaped like inequality(x), shape (0,) without inequalities; per unit (axis
+  # given) shaped (*the other axes, *inequality(unit).shape), or (*the other axes, 0).
+  slack: jax.Array
   iterations: jax.Array  # Newton iterations of the last update's projections, int32
   converged: jax.Array  # False: a projection of the last update failed and was rejected
   constraint: "Implicit"
 
   def residual(self, param: jax.Array) -> jax.Array:
-    """``max_i |g_i(x, s)|``, computed in at least float32."""
+    """``max_i |g_i(x, s)|`` (over every unit), computed in at least float32."""
     dtype = jnp.promote_types(param.dtype, jnp.float32)  # float64 stays float64
+    if self.constraint.axis is not None:
+      return self.constraint._per_unit_residual(param.astype(dtype), self.slack.astype(dtype))
     z = self.constraint._pack(param.astype(dtype), self.slack.astype(dtype))
     return jnp.max(jnp.abs(self.constraint._g(param.shape)(z)))
 
@@ -131,10 +160,10 @@ class ImplicitState:
 class ImplicitPoint(NamedTuple):
   """A leaf's point during an update, with the diagnostics of its projections."""
 
-  x: jax.Array  # the leaf
-  slack: jax.Array
-  iterations: jax.Array  # totals over the projections of the current update
-  converged: jax.Array
+  x: jax.Array  # the leaf; per unit (axis given) the units, (units, *unit shape)
+  slack: jax.Array  # per unit (units, *inequality(unit).shape)
+  iterations: jax.Array  # totals over the projections of the current update (per unit)
+  converged: jax.Array  # (per unit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +186,12 @@ class Implicit(Constraint):
       ``G(q^{(j)}) G(q_n)^T``: cheaper iterations, more of them, and a smaller
       step size at which it converges. The projection of a parameter that
       starts off the manifold always uses Newton.
+    axis: ``None`` (default): the functions take the whole leaf. An int or a
+      tuple of ints (negative values count from the end, as for
+      :class:`~cola_jax.Sphere` and Keras' constraints): the axes that form one
+      unit; the functions take one unit (shaped by those axes, in the leaf's
+      order) and apply to every unit (see "Per unit" in the module docstring).
+      ``axis=0`` on a Dense kernel ``(in, out)`` constrains each column.
 
   At least one of ``equality`` and ``inequality`` is required; the functions
   must be traceable (``jnp``) and differentiable. Two ``Implicit`` compare equal
@@ -172,6 +207,9 @@ class Implicit(Constraint):
     ...     equality=lambda w: jnp.append(w.sum(axis=0), jnp.sum(w**2) / 4 - 1))
     >>> tx = cola.cola_ud(0.1, friction=1.0,
     ...                   constraints={'kernel': zero_mean_norm2, 'bias': None})
+    >>> # Each unit (column) sums to zero and has norm 1: two components per unit.
+    >>> per_unit = cola.Implicit(
+    ...     equality=lambda w: jnp.stack([w.sum(), jnp.sum(w**2) - 1]), axis=0)
   """
 
   equality: Optional[Callable] = None
@@ -179,6 +217,7 @@ class Implicit(Constraint):
   tolerance: float = 1e-6
   max_iterations: int = 20
   quasi_newton: bool = False
+  axis: Union[None, int, tuple[int, ...]] = None
 
   stack_same_shape = True  # small dense solves in loops: batch same-shape leaves
 
@@ -196,13 +235,18 @@ class Implicit(Constraint):
     if iterations is not None and not (iterations >= 1 and iterations == int(iterations)):
       raise ValueError(
           f"Implicit: max_iterations must be a positive integer, got {self.max_iterations!r}.")
+    object.__setattr__(self, "axis", _axes.normalize("Implicit", "axis", self.axis))
 
   # The constraint function on flat vectors z = (x.ravel(), s.ravel()).
 
   def validate(self, param, path):
     dtype = jnp.promote_types(param.dtype, jnp.float32)
-    leaf = jax.ShapeDtypeStruct(param.shape, dtype)
     where = f"Implicit constraint on the leaf at {path}, of shape {param.shape}"
+    shape = param.shape
+    if self.axis is not None:
+      shape = tuple(param.shape[a] for a in _axes.resolve(where, shape, axis=self.axis)["axis"])
+      where = f"{where}, per unit of shape {shape} (axis={self.axis})"
+    leaf = jax.ShapeDtypeStruct(shape, dtype)
     sizes = {}
     for name in ("equality", "inequality"):
       fn = getattr(self, name)
@@ -222,7 +266,7 @@ class Implicit(Constraint):
     m = sum(sizes.values())
     if m == 0:
       raise ValueError(f"{where}: the constraint functions return no components.")
-    coordinates = param.size + sizes.get("inequality", 0)
+    coordinates = math.prod(shape) + sizes.get("inequality", 0)
     if m > coordinates:
       raise ValueError(
           f"{where}: {m} constraint components for {coordinates} coordinates "
@@ -294,6 +338,7 @@ class Implicit(Constraint):
 
   # The Constraint interface.
 
+  @_or_per_unit
   def init(self, param):
     if self.inequality is None:
       slack = jnp.zeros((0,), param.dtype)
@@ -302,6 +347,7 @@ class Implicit(Constraint):
     return ImplicitState(slack=slack, iterations=jnp.zeros((), jnp.int32),
                          converged=jnp.array(True), constraint=self)
 
+  @_or_per_unit
   def point(self, param, aux):
     """The leaf and slacks; projected from themselves first if ``max |g| > tolerance``."""
     g = self._g(param.shape)
@@ -330,7 +376,7 @@ class Implicit(Constraint):
     """
     point = jax.jit(lambda p: self.point(p, self.init(p)))(param)  # one compilation, not op by op
     try:
-      failed = not bool(point.converged)
+      failed = not bool(jnp.all(point.converged))
     except jax.errors.ConcretizationTypeError:
       failed = False
     if failed:
@@ -338,23 +384,28 @@ class Implicit(Constraint):
           f"Implicit: the parameter of shape {param.shape} could not be projected onto "
           f"the manifold in {self.max_iterations} Newton iterations (max |g| = "
           f"{float(self.init(param).residual(param)):.3g}); start closer to it.")
-    return point.x
+    return self.unpack(point, param)[0]
 
+  @_or_per_unit
   def unpack(self, point, param):
     return point.x, ImplicitState(slack=point.slack, iterations=point.iterations,
                                   converged=point.converged, constraint=self)
 
+  @_or_per_unit
   def ambient_gradient(self, point, grad):
     return jnp.concatenate([grad.ravel(), jnp.zeros(point.slack.size, grad.dtype)])
 
+  @_or_per_unit
   def ambient_normal(self, key, point):
     return _noise.normal(key, (point.x.size + point.slack.size,), point.x.dtype)
 
+  @_or_per_unit
   def project(self, anchor, step):
     q, _, k, converged = self._shake(
         self._g(anchor.x.shape), self._flat(anchor), step, self.quasi_newton)
     return self._unflat(q, anchor, anchor.iterations + k, anchor.converged & converged)
 
+  @_or_per_unit
   def cotangent(self, point, vector):
     return self._cotangent(self._g(point.x.shape), self._flat(point), vector)
 
@@ -366,11 +417,13 @@ class Implicit(Constraint):
   def cotangent_normal(self, key, point):
     return self.cotangent(point, self.ambient_normal(key, point))
 
+  @_or_per_unit
   def zero_momentum(self, param):
     """The momentum is stored flat, ``(n + k,)``: the leaf's coordinates, then the slacks'."""
     return jnp.zeros(param.size + math.prod(self._slack_shape(param.shape, param.dtype)),
                      param.dtype)
 
+  @_or_per_unit
   def a_step(self, point, momentum, h):
     g = self._g(point.x.shape)
     z_n = self._flat(point)
@@ -382,3 +435,74 @@ class Implicit(Constraint):
     new_momentum = jnp.where(accepted, new_momentum, -momentum)
     return (self._unflat(q, point, point.iterations + k, point.converged & accepted),
             new_momentum)
+
+  # Per unit (axis given): the whole-leaf geometry above applied to each unit,
+  # jax.vmap-ed over the units, which are brought to one leading axis.
+
+  @property
+  def _unit(self) -> "Implicit":
+    """The constraint on one unit: the same functions on the unit as a whole leaf."""
+    return dataclasses.replace(self, axis=None)
+
+  def _unit_axes(self, ndim):
+    """(other axes, unit axes) of a leaf of rank ``ndim``."""
+    unit = tuple(sorted(a % ndim for a in self.axis))
+    return _axes.others(ndim, unit), unit
+
+  def _units(self, x):
+    """The units of ``x``: ``(units, *unit shape)``, in the row-major order of the other axes."""
+    return _axes.to_parts(x, *self._unit_axes(x.ndim))
+
+  def _unit_slacks(self, slack, ndim):
+    """The stored slacks ``(*other axes, *d shape)`` as ``(units, *d shape)``."""
+    others = len(self._unit_axes(ndim)[0])
+    return slack.reshape((math.prod(slack.shape[:others]),) + slack.shape[others:])
+
+  def _unit_state(self, slack):
+    unit = self._unit
+    return ImplicitState(slack=slack, iterations=jnp.zeros((), jnp.int32),
+                         converged=jnp.array(True), constraint=unit)
+
+  def _per_unit_residual(self, param, slack):
+    slacks = self._unit_slacks(slack, param.ndim)
+    return jnp.max(jax.vmap(lambda x, s: self._unit_state(s).residual(x))(
+        self._units(param), slacks))
+
+  def _per_unit_init(self, param):
+    slacks = jax.vmap(self._unit.init)(self._units(param)).slack
+    other_shape = tuple(param.shape[a] for a in self._unit_axes(param.ndim)[0])
+    return ImplicitState(slack=slacks.reshape(other_shape + slacks.shape[1:]),
+                         iterations=jnp.zeros((), jnp.int32), converged=jnp.array(True),
+                         constraint=self)
+
+  def _per_unit_point(self, param, aux):
+    slacks = self._unit_slacks(aux.slack, param.ndim)
+    return jax.vmap(lambda x, s: self._unit.point(x, self._unit_state(s)))(
+        self._units(param), slacks)
+
+  def _per_unit_unpack(self, point, param):
+    others, unit = self._unit_axes(param.ndim)
+    other_shape = tuple(param.shape[a] for a in others)
+    x = _axes.from_parts(point.x, param.shape, others, unit)
+    return x, ImplicitState(slack=point.slack.reshape(other_shape + point.slack.shape[1:]),
+                            iterations=jnp.max(point.iterations),
+                            converged=jnp.all(point.converged), constraint=self)
+
+  def _per_unit_ambient_gradient(self, point, grad):
+    return jax.vmap(self._unit.ambient_gradient)(point, self._units(grad))
+
+  def _per_unit_ambient_normal(self, key, point):
+    size = math.prod(point.x.shape[1:]) + math.prod(point.slack.shape[1:])
+    return _noise.normal(key, (point.x.shape[0], size), point.x.dtype)
+
+  def _per_unit_project(self, anchor, step):
+    return jax.vmap(self._unit.project)(anchor, step)
+
+  def _per_unit_cotangent(self, point, vector):
+    return jax.vmap(self._unit.cotangent)(point, vector)
+
+  def _per_unit_zero_momentum(self, param):
+    return jax.vmap(self._unit.zero_momentum)(self._units(param))
+
+  def _per_unit_a_step(self, point, momentum, h):
+    return jax.vmap(self._unit.a_step, in_axes=(0, 0, None))(point, momentum, h)

@@ -6,6 +6,12 @@ kernel ``(kh, kw, in, out)`` the output units or filters are the columns. With
 ``s = min(rows, cols)`` the constraint is ``W^T W = I_s`` for a tall matrix and
 ``W W^T = I_s`` for a wide one. Internally both are the tall matrix
 ``Q`` (``W`` or ``W^T``) of shape ``(r, s)``, ``r >= s``, with ``Q^T Q = I_s``.
+``row_axes`` and ``column_axes`` choose other views: the named axes index the
+rows and the columns, every other axis is a batch axis, and the leaf holds one
+matrix per batch index, each on its own manifold (a conv kernel
+``(kh, kw, in, out)`` with ``row_axes=2, column_axes=3`` is ``kh kw``
+orthonormal ``in x out`` matrices). Everything below then applies to each
+matrix, ``jax.vmap``-ed over the stack ``(b, r, s)``.
 
 Projection onto the manifold after a step ``Q_bar = Q_n + D`` is the paper's
 quasi-Newton iteration, which keeps ``Q_n`` as the direction of the constraint
@@ -38,30 +44,62 @@ References:
 """
 
 import dataclasses
-from typing import NamedTuple
+import functools
+import math
+from typing import NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
 
 from cola_jax import _noise
 from cola_jax._numerics import concrete_float, explicit_sharding
-from cola_jax.constraints import stiefel_projection
+from cola_jax.constraints import _axes, stiefel_projection
 from cola_jax.constraints.base import Constraint
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def tall_view(w: jax.Array) -> jax.Array:
-  """The ``(r, s)`` matrix, ``r >= s``, with orthonormal columns on the manifold."""
-  matrix = w.reshape(-1, w.shape[-1])
-  return matrix if matrix.shape[0] >= matrix.shape[1] else matrix.T
+def _view_axes(ndim, row_axes, column_axes):
+  """(batch, rows, columns) axes of a rank-``ndim`` leaf, non-negative and sorted."""
+  if row_axes is None:
+    return (), tuple(range(ndim - 1)), (ndim - 1,)
+  rows = tuple(sorted(a % ndim for a in _axes.normalize("tall_view", "row_axes", row_axes)))
+  columns = tuple(sorted(
+      a % ndim for a in _axes.normalize("tall_view", "column_axes", column_axes)))
+  return _axes.others(ndim, rows, columns), rows, columns
 
 
-def from_tall_view(q: jax.Array, like: jax.Array) -> jax.Array:
+def tall_view(w: jax.Array, row_axes=None, column_axes=None) -> jax.Array:
+  """The ``(r, s)`` matrix, ``r >= s``, with orthonormal columns on the manifold.
+
+  ``row_axes`` and ``column_axes`` as for :class:`Orthogonal`; with batch axes
+  the result is the stack ``(b, r, s)`` of the leaf's ``b`` matrices.
+  """
+  if row_axes is None:
+    matrix = w.reshape(-1, w.shape[-1])
+  else:
+    batch, rows, columns = _view_axes(w.ndim, row_axes, column_axes)
+    sizes = (math.prod(w.shape[a] for a in rows), math.prod(w.shape[a] for a in columns))
+    matrix = _axes.to_parts(w, batch, rows + columns).reshape(
+        (math.prod(w.shape[a] for a in batch),) * bool(batch) + sizes)
+  return matrix if matrix.shape[-2] >= matrix.shape[-1] else jnp.swapaxes(matrix, -1, -2)
+
+
+def from_tall_view(q: jax.Array, like: jax.Array, row_axes=None, column_axes=None) -> jax.Array:
   """Inverse of :func:`tall_view` for a leaf shaped like ``like``."""
-  rows = like.size // like.shape[-1]
-  matrix = q if rows >= like.shape[-1] else q.T
-  return matrix.reshape(like.shape)
+  if row_axes is None:
+    rows = like.size // like.shape[-1]
+    matrix = q if rows >= like.shape[-1] else q.T
+    return matrix.reshape(like.shape)
+  batch, rows, columns = _view_axes(like.ndim, row_axes, column_axes)
+  wide = math.prod(like.shape[a] for a in rows) < math.prod(like.shape[a] for a in columns)
+  matrix = jnp.swapaxes(q, -1, -2) if wide else q
+  return _axes.from_parts(matrix, like.shape, batch, rows + columns)
+
+
+def _each(fn, matrices: jax.Array) -> jax.Array:
+  """``fn`` of one matrix, mapped over a stack of them."""
+  return fn(matrices) if matrices.ndim == 2 else jax.vmap(fn)(matrices)
 
 
 def gram_defect(q: jax.Array) -> jax.Array:
@@ -100,21 +138,59 @@ _SOLVERS = {
 }
 
 
-class ProjectionInfo(NamedTuple):
-  """Diagnostics of a leaf's last projection onto the orthogonal manifold."""
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["iterations", "converged"], meta_fields=["row_axes", "column_axes"])
+@dataclasses.dataclass(frozen=True)
+class ProjectionInfo:
+  """Diagnostics of a leaf's last projection onto the orthogonal manifold.
+
+  For a leaf of several matrices (``Orthogonal`` with batch axes) they are
+  aggregated: the most iterations any matrix used, and converged only if every
+  matrix converged. ``row_axes`` and ``column_axes`` (static) are the leaf's
+  view, so that the residual can form its matrices.
+  """
 
   iterations: jax.Array  # quasi-Newton iterations used
   converged: jax.Array  # False: the tolerance was not met and the polar factor was used
+  row_axes: Optional[tuple[int, ...]] = None
+  column_axes: Optional[tuple[int, ...]] = None
 
   def residual(self, param: jax.Array) -> jax.Array:
-    """``max |Q^T Q - I|`` of the leaf, computed in at least float32."""
+    """``max |Q^T Q - I|`` over the leaf's matrices, computed in at least float32."""
     dtype = jnp.promote_types(param.dtype, jnp.float32)
-    return jnp.max(jnp.abs(gram_defect(tall_view(param.astype(dtype)))))
+    q = tall_view(param.astype(dtype), self.row_axes, self.column_axes)
+    return jnp.max(jnp.abs(_each(gram_defect, q)))
 
 
 class StiefelPoint(NamedTuple):
-  matrix: jax.Array  # Q, (r, s) with r >= s
+  matrix: jax.Array  # Q, (r, s) with r >= s; (b, r, s) for a leaf of b matrices
   info: ProjectionInfo
+
+
+def _per_matrix(*in_axes):
+  """Maps a method written for one ``(r, s)`` matrix over the matrices of a leaf.
+
+  The method takes a :class:`StiefelPoint` and further arguments, stacked like
+  the point's matrices where ``in_axes`` says 0 and shared where it says None.
+  The :class:`ProjectionInfo` in its result is aggregated over the matrices and
+  labelled with the constraint's view.
+  """
+
+  def decorate(method):
+    @functools.wraps(method)
+    def mapped(self, point, *args):
+      if point.matrix.ndim == 2:
+        out = method(self, point, *args)
+      else:
+        out = jax.vmap(functools.partial(method, self),
+                       in_axes=(StiefelPoint(0, None), *in_axes))(point, *args)
+      return jax.tree.map(self._aggregate, out,
+                          is_leaf=lambda node: isinstance(node, ProjectionInfo))
+
+    return mapped
+
+  return decorate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,16 +213,33 @@ class Orthogonal(Constraint):
       (a closed form, exact for square matrices, then chord steps; fastest for
       large square steps). All three reach the same point. With the latter two
       ``ProjectionInfo.iterations`` counts Newton steps or series terms.
+    row_axes: the axes of the leaf that index the matrix's rows (an int or a
+      tuple; negative values count from the end), given together with
+      ``column_axes``. Every axis named by neither is a batch axis: the leaf
+      holds one matrix per index of the batch axes, each constrained on its
+      own (torch's per-matrix semantics for stacked weights). ``None`` (both,
+      the default): the rows are every axis but the last, the columns the last.
+    column_axes: the axes that index the columns, as ``row_axes``.
+
+  A leaf with batch axes steps its matrices independently (the geometry is
+  ``jax.vmap``-ed over them; the noise is independent per entry, so per
+  matrix); its :class:`ProjectionInfo` holds the most iterations any of them
+  used and whether all converged. The momentum of ``cola_ud`` is stored shaped
+  like the leaf.
 
   Example:
     >>> import cola_jax as cola
     >>> tx = cola.cola_od(0.1, constraints={'kernel': cola.Orthogonal(), 'bias': None})
+    >>> # A conv kernel (kh, kw, in, out) as kh * kw orthonormal (in, out) matrices.
+    >>> per_tap = cola.Orthogonal(row_axes=2, column_axes=3)
   """
 
   tolerance: float = 1e-6
   max_iterations: int = 20
   reproject_above: float = 1e-3
   projection: str = "quasi_newton"
+  row_axes: Union[None, int, tuple[int, ...]] = None
+  column_axes: Union[None, int, tuple[int, ...]] = None
 
   stack_same_shape = True
 
@@ -162,6 +255,18 @@ class Orthogonal(Constraint):
     if iterations is not None and not (iterations >= 1 and iterations == int(iterations)):
       raise ValueError(
           f"Orthogonal: max_iterations must be a positive integer, got {self.max_iterations!r}.")
+    rows = _axes.normalize("Orthogonal", "row_axes", self.row_axes)
+    columns = _axes.normalize("Orthogonal", "column_axes", self.column_axes)
+    if (rows is None) != (columns is None):
+      raise ValueError(
+          "Orthogonal: give both row_axes and column_axes (every other axis is batched), "
+          f"or neither; got row_axes={self.row_axes!r}, column_axes={self.column_axes!r}.")
+    if rows is not None and set(rows) & set(columns):
+      raise ValueError(
+          f"Orthogonal: row_axes {self.row_axes!r} and column_axes {self.column_axes!r} "
+          "share an axis.")
+    object.__setattr__(self, "row_axes", rows)  # lists become tuples: hashable
+    object.__setattr__(self, "column_axes", columns)
 
   def validate(self, param, path):
     if param.ndim < 2:
@@ -169,29 +274,55 @@ class Orthogonal(Constraint):
           f"Orthogonal constraint on the leaf at {path}, of shape {param.shape}: "
           "it needs a matrix or a kernel (ndim >= 2). Leave biases and scales "
           "unconstrained (None).")
+    if self.row_axes is not None:
+      _axes.resolve(f"Orthogonal constraint on the leaf at {path}, of shape {param.shape}",
+                    param.shape, row_axes=self.row_axes, column_axes=self.column_axes)
+
+  # The view: the leaf as the tall matrix Q, or a stack of them.
+
+  def _tall(self, w):
+    return tall_view(w, self.row_axes, self.column_axes)
+
+  def _untall(self, q, like):
+    return from_tall_view(q, like, self.row_axes, self.column_axes)
+
+  def _aggregate(self, node):
+    """A matrix's or a stack's :class:`ProjectionInfo` as the leaf's; other nodes as they are."""
+    if not isinstance(node, ProjectionInfo):
+      return node
+    return ProjectionInfo(jnp.max(node.iterations), jnp.all(node.converged),
+                          self.row_axes, self.column_axes)
+
+  # The manifold.
 
   def nearest(self, param):
     """The polar factor: the closest matrix with orthonormal columns (or rows)."""
-    return from_tall_view(polar_factor(tall_view(param)), param)
+    return self._untall(_each(polar_factor, self._tall(param)), param)
 
   def init(self, param):
-    return ProjectionInfo(iterations=jnp.zeros((), jnp.int32), converged=jnp.array(True))
+    return ProjectionInfo(iterations=jnp.zeros((), jnp.int32), converged=jnp.array(True),
+                          row_axes=self.row_axes, column_axes=self.column_axes)
 
   def point(self, param, aux):
-    q = tall_view(param)
+    return self._reproject(StiefelPoint(self._tall(param), aux))
+
+  @_per_matrix()
+  def _reproject(self, point):
+    q = point.matrix
     off = jnp.max(jnp.abs(gram_defect(q))) > self.reproject_above
-    return StiefelPoint(_polar_where(q, off), aux)
+    return StiefelPoint(_polar_where(q, off), point.info)
 
   def unpack(self, point, param):
-    return from_tall_view(point.matrix, param), point.info
+    return self._untall(point.matrix, param), point.info
 
   def ambient_gradient(self, point, grad):
-    return tall_view(grad)
+    return self._tall(grad)
 
   def ambient_normal(self, key, point):
     return _noise.normal(key, point.matrix.shape, point.matrix.dtype,
                          out_sharding=explicit_sharding(point.matrix))
 
+  @_per_matrix(0)
   def project(self, anchor, step):
     moved = anchor.matrix + step
     solve = _SOLVERS[self.projection]
@@ -200,6 +331,7 @@ class Orthogonal(Constraint):
     q = jnp.where(jnp.all(jnp.isfinite(q)), q, moved)
     return StiefelPoint(_polar_where(q, ~converged), ProjectionInfo(k, converged))
 
+  @_per_matrix(0)
   def cotangent(self, point, vector):
     q = point.matrix
     sym = stiefel_projection.gram(vector, q)
@@ -209,11 +341,12 @@ class Orthogonal(Constraint):
     return self.cotangent(point, self.ambient_normal(key, point))
 
   def load_momentum(self, stored):
-    return tall_view(stored)
+    return self._tall(stored)
 
   def store_momentum(self, momentum, param):
-    return from_tall_view(momentum, param)
+    return self._untall(momentum, param)
 
+  @_per_matrix(0, None)
   def a_step(self, point, momentum, h):
     step = h * momentum
     new = self.project(point, step)
