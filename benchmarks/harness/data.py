@@ -107,20 +107,20 @@ def synthetic_images(n_train: int, n_test: int, seed: int = 0):
 
 
 def fashion_mnist(data_dir: str | None = None, n_train: int = 10_000, n_test: int = 60_000, *,
-                  test_from: str = "rest", allow_synthetic: bool = False) -> Dataset:
+                  test_from: str = "rest", allow_synthetic: bool = False, synthetic: bool = False) -> Dataset:
   """Fashion-MNIST as ``(n, 28, 28)`` float32 images in [0, 1] and int32 labels.
 
   Training set: the first ``n_train`` official training images. Test set
   (``test_from``): ``"rest"``, the remaining training images followed by the
   official test images (the paper's 10k/60k split), or ``"official"``, the
   official test images; the first ``n_test`` of them. Missing files raise
-  ``FileNotFoundError`` with the install hint, unless ``allow_synthetic``
-  (then a synthetic stand-in, flagged in ``info``).
+  ``FileNotFoundError`` with the install hint, unless ``allow_synthetic``:
+  then, as always with ``synthetic``, a synthetic stand-in, flagged in ``info``.
   """
   directory = data_dir or FASHION_MNIST_DIR
-  paths = find_idx_files(directory)
+  paths = None if synthetic else find_idx_files(directory)
   if paths is None:
-    if not allow_synthetic:
+    if not (allow_synthetic or synthetic):
       raise FileNotFoundError(f"Fashion-MNIST IDX files not found in {directory}. {FASHION_MNIST_HINT}")
     (x_tr, y_tr), (x_te, y_te) = synthetic_images(n_train, n_test)
     info = {"source": "SYNTHETIC stand-in (class prototypes + noise, Fashion-MNIST's shapes); "
