@@ -58,16 +58,18 @@ def hidden(depth: int) -> str:
   return f"layer({'|'.join(str(i) for i in range(1, depth))})/kernel"
 
 
-def model(depth: int, orthogonal_init) -> models.MLP:
-  """``depth`` hidden layers of 100 ReLU units; layer ``i``'s kernel orthogonal if ``orthogonal_init(i)``."""
+def model(depth: int, orthogonal_init, width: int = 100) -> models.MLP:
+  """``depth`` hidden ReLU layers of ``width``; layer ``i``'s kernel orthogonal if ``orthogonal_init(i)``."""
   ortho = jax.nn.initializers.orthogonal()
-  return models.MLP((100,) * depth + (1,), kernel_init=lambda i: ortho if orthogonal_init(i) else None)
+  return models.MLP((width,) * depth + (1,), kernel_init=lambda i: ortho if orthogonal_init(i) else None)
 
 
-def group_run(group: str, names: Sequence[str], depth: int, args, dataset, eval_every: int):
-  """The vmapped run of ``names`` (one group), ``args.seeds`` seeds each, at ``depth``."""
-  standard, orthogonal = model(depth, lambda i: False), model(depth, lambda i: True)
-  constrained = model(depth, lambda i: 0 < i < depth)
+def group_run(group: str, names: Sequence[str], depth: int, dataset, *, seeds: int, eval_every: int,
+              learning_rate: float = 0.1, temperature: float = 1e-6, width: int = 100) -> train.Run:
+  """The run of ``names`` (all of ``GROUPS[group]``), ``seeds`` seeds each, at ``depth``: member
+  ``j * seeds + s`` is seed ``s`` of ``names[j]``."""
+  standard, orthogonal = (model(depth, lambda i, o=o: o, width) for o in (False, True))
+  constrained = model(depth, lambda i: 0 < i < depth, width)
   # Switch to cola.path_constraints({hidden(depth): cola.Orthogonal()}) once it lands.
   constraints = models.path_rules({hidden(depth): cola.Orthogonal()})
   x0 = dataset.x_train[:1]
@@ -81,10 +83,10 @@ def group_run(group: str, names: Sequence[str], depth: int, args, dataset, eval_
   noisy = group == "ocola" and "ocola_od_tau" in names
   def make_tx(member, noise_key):
     if group == "sgd":
-      return optax.sgd(args.learning_rate)
+      return optax.sgd(learning_rate)
     if not noisy:  # exactly tau = 0: no noise drawn at all
-      return cola.cola_od(args.learning_rate, constraints=constraints)
-    return cola.cola_od(args.learning_rate, constraints=constraints, temperature=member["temperature"],
+      return cola.cola_od(learning_rate, constraints=constraints)
+    return cola.cola_od(learning_rate, constraints=constraints, temperature=member["temperature"],
                         key=noise_key)
 
   def probes(params):
@@ -93,10 +95,10 @@ def group_run(group: str, names: Sequence[str], depth: int, args, dataset, eval_
                for k in kernels]
     return {"max_orthogonality_defect": jnp.max(jnp.stack(defects)) if defects else jnp.zeros(())}
 
-  members = {"seed": np.tile(np.arange(args.seeds), len(names)),
-             "orthogonal": np.repeat([n == "sgd_orth" for n in names], args.seeds),
-             "temperature": np.repeat([args.temperature if n == "ocola_od_tau" else 0.0 for n in names],
-                                      args.seeds).astype(np.float32)}
+  members = {"seed": np.tile(np.arange(seeds), len(names)),
+             "orthogonal": np.repeat([n == "sgd_orth" for n in names], seeds),
+             "temperature": np.repeat([temperature if n == "ocola_od_tau" else 0.0 for n in names],
+                                      seeds).astype(np.float32)}
   return train.Run(init_params=init_params, apply_fn=lambda p, x: standard.apply({"params": p}, x),
                    make_tx=make_tx, objective=train.BINARY, data=dataset, members=members, batch_size=25,
                    eval_every=eval_every, probes=probes)
@@ -170,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
   LAST_RUN_PARAMS.clear()
   for depth in args.depths:
     for group, names in groups.items():
-      run = group_run(group, names, depth, args, dataset, args.eval_every)
+      run = group_run(group, names, depth, dataset, seeds=args.seeds, eval_every=args.eval_every,
+                      learning_rate=args.learning_rate, temperature=args.temperature)
       train.train({f"p={depth} {group}": run}, args.epochs, progress=bar)
       for j, name in enumerate(names):
         rows = slice(j * args.seeds, (j + 1) * args.seeds)
