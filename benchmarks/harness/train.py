@@ -139,7 +139,8 @@ class Run:
                      projection_fallbacks=fallbacks, **(probes(params) if probes else {}))
       return (params, opt_state, shuffle_key, fallbacks), metrics
 
-    self._init = jax.jit(jax.vmap(init_one))
+    # Op by op: jitted, the vmapped init of ten orthogonal (QR) kernels hung on XLA's CPU backend.
+    self._init = jax.vmap(init_one)
     self._chunk = jax.jit(jax.vmap(chunk_one, in_axes=(0, 0, None)), donate_argnums=0)
     self.carry = None
     self.history: dict[str, list] = {}
