@@ -126,7 +126,7 @@ def test_idx_reader_and_split(fm, tmp_path):
   write("train-labels-idx1-ubyte", np.arange(7) % 10)
   write("t10k-images-idx3-ubyte", test_x)
   write("t10k-labels-idx1-ubyte", np.array([9, 8, 7]))
-  x_tr, y_tr, x_te, y_te, info = fm.data.fashion_mnist(str(tmp_path), n_train=4, n_test=6)
+  x_tr, _, x_te, y_te, info = fm.data.fashion_mnist(str(tmp_path), n_train=4, n_test=6)
   assert not info["synthetic"]
   assert x_tr.shape == (4, 28, 28) and x_te.shape == (6, 28, 28)
   np.testing.assert_allclose(np.asarray(x_tr[:, 0, 0]) * 255, [0, 1, 2, 3], atol=1e-4)
