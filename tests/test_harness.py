@@ -12,7 +12,7 @@ import pytest
 import cola_jax as cola
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-from harness import cli, data, models, train  # noqa: E402
+from harness import cli, data, models, train
 
 
 def test_path_rules_match_whole_paths_first_rule_first():
