@@ -9,7 +9,7 @@ orthonormal at every step (Langevin dynamics constrained to the Stiefel
 manifold), so the signal keeps its size and the same net trains.
 
 This script runs that comparison at one depth (default 8 hidden layers of
-100 ReLU units, 400 epochs: about 90 s of CPU time), a few seeds at once, prints the table and writes the JSON and
+100 ReLU units, 400 epochs: about 100 s of CPU time), a few seeds at once, prints the table and writes the JSON and
 a PNG of the curves to ``--out`` (default: a new temporary folder)::
 
     python benchmarks/demo.py
