@@ -63,7 +63,7 @@ paper's set-up when a GPU and the CIFAR-10 files are at hand.
 * data (``--dataset``):
 
   - ``fashion_mnist`` (default for ``small``): IDX files as in
-    ``fashion_mnist.py`` (its loader). Training: the first ``--n-train``
+    ``fashion_mnist.py`` (the harness's reader). Training: the first ``--n-train``
     (default 10,000, the paper's Fashion-MNIST protocol: a small training set
     where regularisation matters, and what fits the CPU budget) of the
     official training images; test: the official 10,000 test images. Pixels
@@ -119,8 +119,9 @@ from flax import linen as nn  # noqa: E402
 import cola_jax as cola  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
+from harness.report import output_dir  # noqa: E402
 from _common import finite_list, mean_std, mean_std_fields, provenance, write_json  # noqa: E402
-import fashion_mnist  # noqa: E402
+from harness import data as harness_data  # noqa: E402
 
 SCHEMA_VERSION = 1
 METHODS = ("ocola_ud", "sgdm", "sgdm_wd")
@@ -136,6 +137,7 @@ MODELS = ("small", "resnet18", "resnet34")
 DATASETS = ("fashion_mnist", "cifar10")
 DEFAULT_EPOCHS, DEFAULT_SEEDS = 18, 3
 SMOKE = dict(seeds=2, epochs=2, n_train=256, n_test=256, batch_size=64, width=4)
+IDX_KEYS = ("train_images", "train_labels", "test_images", "test_labels")
 CIFAR_FILES = {"py": ([f"data_batch_{i}" for i in range(1, 6)], "test_batch"),
                "bin": ([f"data_batch_{i}.bin" for i in range(1, 6)], "test_batch.bin")}
 
@@ -377,8 +379,12 @@ def make_data(config: Config, data_dir: Optional[str], synthetic: bool):
     info = {"source": f"SYNTHETIC stand-in ({'x'.join(map(str, shape))} class prototypes + noise); "
                       "numbers are meaningless for the paper", "synthetic": True}
   elif config.dataset == "fashion_mnist":
-    (x_tr, y_tr), (x_te, y_te), paths = fashion_mnist.load_fashion_mnist(data_dir)
-    train, test = (x_tr.reshape(-1, *shape), y_tr), (x_te.reshape(-1, *shape), y_te)
+    directory = data_dir or harness_data.FASHION_MNIST_DIR
+    paths = harness_data.find_idx_files(directory)
+    if paths is None:
+      raise FileNotFoundError(f"Fashion-MNIST IDX files not found in {directory}. {harness_data.FASHION_MNIST_HINT}")
+    x_tr, y_tr, x_te, y_te = (harness_data.read_idx(paths[k]) for k in IDX_KEYS)
+    train, test = (x_tr.reshape(-1, *shape), y_tr.astype(np.int32)), (x_te.reshape(-1, *shape), y_te.astype(np.int32))
     info = {"source": "fashion-mnist IDX", "synthetic": False, "files": paths}
   else:
     train, test, paths = load_cifar10(data_dir)
@@ -643,7 +649,7 @@ def parse_args(argv):
   p.add_argument("--dataset", choices=DATASETS, default=None,
                  help="default: fashion_mnist for the small CNN, cifar10 for the ResNets")
   p.add_argument("--data-dir", default=None,
-                 help=f"Fashion-MNIST IDX files (default {fashion_mnist.DEFAULT_DATA_DIR}) or the "
+                 help=f"Fashion-MNIST IDX files (default {harness_data.FASHION_MNIST_DIR}) or the "
                       "CIFAR-10 batches (required for cifar10)")
   p.add_argument("--synthetic", action="store_true", help="synthetic stand-in data (testing only)")
   p.add_argument("--seeds", type=int, default=DEFAULT_SEEDS, help="number of seeds (0..seeds-1)")
@@ -663,7 +669,8 @@ def parse_args(argv):
   p.add_argument("--width", type=int, default=64, help="ResNet channels of the first stage")
   p.add_argument("--no-augment", action="store_true",
                  help="no random crop and flip on CIFAR-10 (never used on Fashion-MNIST)")
-  p.add_argument("--out", default="results/", help="output directory")
+  p.add_argument("--out", default=None,
+                 help="output directory (default: results/; a --smoke run: a new temporary folder)")
   p.add_argument("--smoke", action="store_true",
                  help=f"tiny run for tests: {SMOKE['seeds']} seeds, {SMOKE['epochs']} epochs, "
                       f"{SMOKE['n_train']} train / {SMOKE['n_test']} test images, batch "
@@ -708,7 +715,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   """
   argv = list(sys.argv[1:] if argv is None else argv)
   args, config = parse_args(argv)
-  os.makedirs(args.out, exist_ok=True)
+  args.out = output_dir(args.out or (None if args.smoke else "results/"), "orthogonal_cnn")
   start = time.perf_counter()
   synthetic = args.synthetic
   try:

@@ -76,6 +76,7 @@ from cola_jax._numerics import computed_together  # noqa: E402
 from cola_jax.constraints.circle import CircleState  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
+from harness.report import output_dir  # noqa: E402
 from _common import provenance, write_json  # noqa: E402
 
 RESULT_KEYS = ("model", "method", "baseline", "temperature", "kind", "method_ms",
@@ -446,7 +447,8 @@ def parse_args(argv=None):
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--smoke", action="store_true",
                  help="tiny models and a few repetitions: a check that runs in seconds")
-  p.add_argument("--out", default="results/", help="output directory (default: results/)")
+  p.add_argument("--out", default=None,
+                 help="output directory (default: results/; a --smoke run: a new temporary folder)")
   p.add_argument("--models", nargs="+", default=["mlp784", "spiral8x100"],
                  choices=["mlp784", "spiral8x100"])
   p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
@@ -474,7 +476,7 @@ def main(argv=None) -> dict:
   if args.smoke:
     args.repetitions = min(args.repetitions, 5)
     args.warmup = min(args.warmup, 1)
-  os.makedirs(args.out, exist_ok=True)
+  args.out = output_dir(args.out or (None if args.smoke else "results/"), "step_overhead")
   temperatures = [0.0, args.temperature]
 
   jobs = []

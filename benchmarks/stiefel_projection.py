@@ -95,6 +95,7 @@ import numpy as np  # noqa: E402
 from cola_jax.constraints import stiefel_projection as sp  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
+from harness.report import output_dir  # noqa: E402
 from _common import finite_list, provenance, write_json  # noqa: E402
 
 TOP_KEYS = ("meta", "config", "floors", "results", "batching", "targets")
@@ -359,7 +360,8 @@ def parse_args(argv=None):
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--smoke", action="store_true",
                  help="tiny sizes and one repetition: a check that runs in seconds")
-  p.add_argument("--out", default="results/", help="output directory (default: results/)")
+  p.add_argument("--out", default=None,
+                 help="output directory (default: results/; a --smoke run: a new temporary folder)")
   p.add_argument("--sizes", type=int, nargs="+", default=[64, 128, 256, 512, 1024],
                  help="square sizes n")
   p.add_argument("--tall", nargs="*", default=["784x100", "1024x256"],
@@ -389,7 +391,7 @@ def main(argv=None) -> dict:
     batch_stacks = [(3, 16, 16)]
   else:
     batch_stacks = [(8, 100, 100), (4, 512, 512)]
-  os.makedirs(args.out, exist_ok=True)
+  args.out = output_dir(args.out or (None if args.smoke else "results/"), "stiefel_projection")
   shapes = [(n, n) for n in args.sizes] + [tuple(int(v) for v in t.split("x")) for t in args.tall]
 
   key = jax.random.key(args.seed)

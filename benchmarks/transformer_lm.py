@@ -143,6 +143,7 @@ import optax  # noqa: E402
 import cola_jax as cola  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
+from harness.report import output_dir  # noqa: E402
 from _common import finite_list, mean_std, mean_std_fields, nan_array, provenance, torch_uniform, write_json  # noqa: E402
 
 SCHEMA_VERSION = 1
@@ -666,7 +667,8 @@ def parse_args(argv):
                  help="c-CoLA-ud gamma (default: ptb 0.5, wikitext2 1, as the paper; kjv 1)")
   p.add_argument("--bptt", type=int, default=35, help="window length")
   p.add_argument("--clip", type=float, default=0.25, help="global gradient-norm clip (0: none)")
-  p.add_argument("--out", default="results/", help="output directory")
+  p.add_argument("--out", default=None,
+                 help="output directory (default: results/; a --smoke run: a new temporary folder)")
   p.add_argument("--smoke", action="store_true",
                  help=f"tiny run for tests on a synthetic corpus: {SMOKE['seeds']} seeds, {SMOKE['epochs']} "
                       f"epochs, batch {SMOKE['batch_size']}")
@@ -753,7 +755,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     print(summary_table(out["results"], done, out["config"]["corpus_used"], out["config"]["friction"]))
     print(f"wrote {png_path}")
     return out
-  os.makedirs(args.out, exist_ok=True)
+  args.out = output_dir(args.out or (None if args.smoke else "results/"), "transformer_lm")
   start = time.perf_counter()
   try:
     train_ids, valid_ids, test_ids, vocab, data_info = make_corpus(config.corpus, args.data_dir, args.smoke)

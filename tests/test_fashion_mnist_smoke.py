@@ -79,15 +79,15 @@ def test_ccola_weights_stay_in_their_boxes(fm, smoke_run):
   _, data = smoke_run
   bounds = {"layer0": 0.05, "layer1": 0.1}
   params = fm.LAST_RUN_PARAMS["ccola_ud"]
-  fresh = jax.vmap(lambda s: fm.init_mlp(fm.seed_keys(s)[0]))(jnp.arange(fm.SMOKE["seeds"]))
+  fresh = jax.vmap(lambda s: fm.init_params(fm.train.seed_keys(s)[0]))(jnp.arange(fm.SMOKE["seeds"]))
   for layer, r in bounds.items():
-    w = np.asarray(params[layer]["w"])
+    w = np.asarray(params[layer]["kernel"])
     assert w.shape[0] == fm.SMOKE["seeds"]
     assert np.max(np.abs(w)) <= r * (1 + 1e-6)
     assert max(data["results"]["ccola_ud"]["max_abs_weight"][layer]) <= r * (1 + 1e-6)
     # Training moved the weights, and pushed some of them beyond PyTorch's init bound
     # towards the constraint (the first layer's bound 0.05 is above 1/sqrt(784) = 0.036).
-    assert float(np.max(np.abs(w - np.asarray(fresh[layer]["w"])))) > 1e-3
+    assert float(np.max(np.abs(w - np.asarray(fresh[layer]["kernel"])))) > 1e-3
   # SGD-m is unconstrained: nothing holds its first layer inside 0.05 in principle,
   # but after 2 smoke epochs it may still be; only check the record is there.
   assert len(data["results"]["sgdm_h0.1_m0.9"]["max_abs_weight"]["layer0"]) == fm.SMOKE["seeds"]
@@ -126,18 +126,33 @@ def test_idx_reader_and_split(fm, tmp_path):
   write("train-labels-idx1-ubyte", np.arange(7) % 10)
   write("t10k-images-idx3-ubyte", test_x)
   write("t10k-labels-idx1-ubyte", np.array([9, 8, 7]))
-  config = fm.Config(n_train=4, n_test=6)
-  (x_tr, y_tr), (x_te, y_te), info = fm.make_data(config, str(tmp_path))
+  x_tr, _, x_te, y_te, info = fm.data.fashion_mnist(str(tmp_path), n_train=4, n_test=6)
   assert not info["synthetic"]
-  assert x_tr.shape == (4, 784) and x_te.shape == (6, 784)
-  np.testing.assert_allclose(np.asarray(x_tr[:, 0]) * 255, [0, 1, 2, 3], atol=1e-4)
-  np.testing.assert_allclose(np.asarray(x_te[:, 0]) * 255, [4, 5, 6, 100, 101, 102], atol=1e-4)
+  assert x_tr.shape == (4, 28, 28) and x_te.shape == (6, 28, 28)
+  np.testing.assert_allclose(np.asarray(x_tr[:, 0, 0]) * 255, [0, 1, 2, 3], atol=1e-4)
+  np.testing.assert_allclose(np.asarray(x_te[:, 0, 0]) * 255, [4, 5, 6, 100, 101, 102], atol=1e-4)
   assert list(np.asarray(y_te)) == [4, 5, 6, 9, 8, 7]
   assert float(jnp.max(x_te)) <= 1.0
+  _, _, official, y_official, _ = fm.data.fashion_mnist(str(tmp_path), n_train=4, n_test=2, test_from="official")
+  np.testing.assert_allclose(official[:, 0, 0] * 255, [100, 101], atol=1e-4)
+  assert list(y_official) == [9, 8]
+  with pytest.raises(ValueError, match="n_test = 7"):
+    fm.data.fashion_mnist(str(tmp_path), n_train=4, n_test=7)
 
 
 def test_missing_data_is_a_clear_error(fm, tmp_path):
   with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist"):
-    fm.make_data(fm.Config(), str(tmp_path))
+    fm.data.fashion_mnist(str(tmp_path))
   with pytest.raises(SystemExit, match="--data-dir"):
     fm.main(["--data-dir", str(tmp_path), "--out", str(tmp_path), "--epochs", "1", "--quiet"])
+
+
+def test_smoke_run_defaults_to_a_new_temporary_folder(fm, smoke_run, capsys):
+  # --smoke without --out never writes over the committed results/.
+  assert fm.parse_args(["--smoke"]).out is None
+  with pytest.raises(SystemExit) as exit_info:
+    fm.parse_args(["--help"])
+  assert exit_info.value.code == 0
+  out = capsys.readouterr().out
+  for flag in ("--seeds", "--epochs", "--out", "--smoke", "--data-dir", "--grid", "(default: 400)"):
+    assert flag in out

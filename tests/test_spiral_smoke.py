@@ -89,13 +89,40 @@ def test_depth_one_ocola_is_plain_sgd(smoke_run):
 def test_trained_hidden_weights_are_orthonormal(spiral, smoke_run):
   # The parameters at the end of the smoke run, straight from main().
   for method in ("ocola_od", "ocola_od_tau"):
-    layers = spiral.LAST_RUN_PARAMS[method][3]
-    assert len(layers) == 4  # input, 2 hidden-to-hidden, output
-    for layer in layers[1:3]:
-      w = np.asarray(layer["w"], np.float64)  # (seeds, 100, 100)
+    params = spiral.LAST_RUN_PARAMS[method][3]
+    assert sorted(params) == ["layer0", "layer1", "layer2", "layer3"]  # input, 2 hidden-to-hidden, output
+    for name in ("layer1", "layer2"):
+      w = np.asarray(params[name]["kernel"], np.float64)  # (seeds, 100, 100)
       assert w.shape == (spiral.SMOKE["seeds"], 100, 100)
       gram = np.einsum("ski,skj->sij", w, w)
       assert np.max(np.abs(gram - np.eye(100))) <= 1e-5
     # Training moved the constrained weights away from their initialisation.
-    fresh = spiral.init_mlp(spiral.seed_keys(0)[0], 3, 100, lambda i: spiral.is_hidden(i, 3))
-    assert float(jnp.max(jnp.abs(layers[1]["w"][0] - fresh[1]["w"]))) > 1e-4
+    init_key = spiral.train.seed_keys(0)[0]
+    fresh = spiral.model(3, lambda i: 0 < i < 3).init(init_key, jnp.zeros((1, 2)))["params"]
+    assert float(jnp.max(jnp.abs(params["layer1"]["kernel"][0] - fresh["layer1"]["kernel"]))) > 1e-4
+
+
+def test_smoke_run_defaults_to_a_new_temporary_folder(spiral):
+  # --smoke without --out never writes over the committed results/.
+  args = spiral.parse_args(["--smoke"])
+  assert args.out is None and args.epochs == spiral.SMOKE["epochs"]
+  assert spiral.parse_args([]).out == "results/"
+
+
+def test_help_describes_every_flag(spiral, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    spiral.parse_args(["--help"])
+  assert exit_info.value.code == 0
+  out = capsys.readouterr().out
+  for flag in ("--seeds", "--epochs", "--out", "--smoke", "--depths", "--methods", "--temperature"):
+    assert flag in out
+  assert "(default: 10)" in out and "(default: 1-10)" in out
+
+
+def test_bad_flags_are_refused(spiral):
+  with pytest.raises(SystemExit):
+    spiral.parse_args(["--methods", "adam"])
+  with pytest.raises(SystemExit):
+    spiral.parse_args(["--depths", "0-3"])
+  with pytest.raises(SystemExit):
+    spiral.parse_args(["--epochs", "10", "--eval-every", "3"])

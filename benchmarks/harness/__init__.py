@@ -1,0 +1,9 @@
+"""The experiment harness shared by the reproduction scripts in ``benchmarks/``.
+
+One module per concept: :mod:`.data` (data sources), :mod:`.models` (Flax
+models and their constraint declarations), :mod:`.train` (every seed of a
+method trained at once: ``vmap`` over seeds, ``lax.scan`` over minibatches and
+epochs), :mod:`.report` (results JSON, tables, plots, progress) and :mod:`.cli`
+(the flags every script shares). A script declares only its protocol: data,
+model, methods, schedule and what to report.
+"""
