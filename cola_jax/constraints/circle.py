@@ -29,8 +29,9 @@ import jax
 import jax.numpy as jnp
 
 from cola_jax import _noise
+from cola_jax._hyperparameters import check_positive
 from cola_jax._numerics import (
-    computed_together, concrete_float, explicit_sharding, inverse_sqrt, sincos)
+    computed_together, explicit_sharding, inverse_sqrt, sincos)
 from cola_jax.constraints.base import Constraint
 
 
@@ -69,9 +70,7 @@ class Circle(Constraint):
   radius: float
 
   def __post_init__(self):
-    r = concrete_float(self.radius)
-    if r is not None and not r > 0:
-      raise ValueError(f"Circle: radius must be positive, got {self.radius!r}.")
+    check_positive("Circle", "radius", self.radius)
 
   def init(self, param):
     r = jnp.asarray(self.radius, param.dtype)

@@ -95,7 +95,7 @@ import jax
 import jax.numpy as jnp
 
 from cola_jax import _noise
-from cola_jax._numerics import concrete_float
+from cola_jax._hyperparameters import check_positive, check_positive_integer
 from cola_jax.constraints.base import Constraint
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -189,13 +189,8 @@ class Implicit(Constraint):
         raise TypeError(f"Implicit: {name} must be a function x -> array, got {fn!r}.")
     if self.equality is None and self.inequality is None:
       raise ValueError("Implicit: give equality=, inequality= or both.")
-    value = concrete_float(self.tolerance)
-    if value is not None and not value > 0:
-      raise ValueError(f"Implicit: tolerance must be positive, got {self.tolerance!r}.")
-    iterations = concrete_float(self.max_iterations)
-    if iterations is not None and not (iterations >= 1 and iterations == int(iterations)):
-      raise ValueError(
-          f"Implicit: max_iterations must be a positive integer, got {self.max_iterations!r}.")
+    check_positive("Implicit", "tolerance", self.tolerance)
+    check_positive_integer("Implicit", "max_iterations", self.max_iterations)
 
   # The constraint function on flat vectors z = (x.ravel(), s.ravel()).
 

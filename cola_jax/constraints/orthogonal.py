@@ -44,7 +44,8 @@ import jax
 import jax.numpy as jnp
 
 from cola_jax import _noise
-from cola_jax._numerics import concrete_float, explicit_sharding
+from cola_jax._hyperparameters import check_positive, check_positive_integer
+from cola_jax._numerics import explicit_sharding
 from cola_jax.constraints import stiefel_projection
 from cola_jax.constraints.base import Constraint
 
@@ -151,17 +152,12 @@ class Orthogonal(Constraint):
   stack_same_shape = True
 
   def __post_init__(self):
-    for name in ("tolerance", "reproject_above"):
-      value = concrete_float(getattr(self, name))
-      if value is not None and not value > 0:
-        raise ValueError(f"Orthogonal: {name} must be positive, got {getattr(self, name)!r}.")
+    check_positive("Orthogonal", "tolerance", self.tolerance)
+    check_positive("Orthogonal", "reproject_above", self.reproject_above)
     if self.projection not in _SOLVERS:
       raise ValueError(
           f"Orthogonal: projection must be one of {tuple(_SOLVERS)}, got {self.projection!r}.")
-    iterations = concrete_float(self.max_iterations)
-    if iterations is not None and not (iterations >= 1 and iterations == int(iterations)):
-      raise ValueError(
-          f"Orthogonal: max_iterations must be a positive integer, got {self.max_iterations!r}.")
+    check_positive_integer("Orthogonal", "max_iterations", self.max_iterations)
 
   def validate(self, param, path):
     if param.ndim < 2:

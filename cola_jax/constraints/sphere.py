@@ -65,7 +65,8 @@ import jax
 import jax.numpy as jnp
 
 from cola_jax import _noise
-from cola_jax._numerics import concrete_float, explicit_sharding, inverse_sqrt, sincos
+from cola_jax._hyperparameters import check_positive
+from cola_jax._numerics import explicit_sharding, inverse_sqrt, sincos
 from cola_jax.constraints.base import Constraint
 
 # Unpack keeps |w_j|^2 <= r^2 (1 - _MARGIN eps) so that norms recomputed in
@@ -146,9 +147,7 @@ class Sphere(Constraint):
   axis: Union[None, int, tuple[int, ...]] = None
 
   def __post_init__(self):
-    r = concrete_float(self.radius)
-    if r is not None and not r > 0:
-      raise ValueError(f"Sphere: radius must be positive, got {self.radius!r}.")
+    check_positive("Sphere", "radius", self.radius)
     axis = _normalize_axis(self.axis)
     if axis is not None and len(set(axis)) != len(axis):
       raise ValueError(f"Sphere: axis {self.axis!r} repeats an axis.")
