@@ -301,7 +301,7 @@ class Implicit(Constraint):
     """The leaf and slacks; projected from themselves first if ``max |g| > tolerance``."""
     g = self._g(param.shape)
     z = self._pack(param, aux.slack.astype(param.dtype))
-    off = jnp.max(jnp.abs(g(z))) > self.tolerance
+    off = ~(jnp.max(jnp.abs(g(z))) <= self.tolerance)  # NaN too: its projection fails, flagged
 
     # A while loop of at most one iteration rather than lax.cond: under vmap a
     # cond runs both branches for every member, the loop only while one needs it.
@@ -370,7 +370,10 @@ class Implicit(Constraint):
     g = self._g(point.x.shape)
     z_n = self._flat(point)
     q, impulse, k, converged = self._shake(g, z_n, h * momentum, self.quasi_newton)
-    new_momentum = self._cotangent(g, q, momentum + impulse * (1 / h))
+    # At h = 0 nothing moves: no impulse (rather than 0 / 0).
+    moving = h != 0
+    impulse = jnp.where(moving, impulse * (1 / jnp.where(moving, h, 1)), 0)
+    new_momentum = self._cotangent(g, q, momentum + impulse)
     accepted = converged & jnp.all(jnp.isfinite(new_momentum))
     # Rejected: stay at q_n with the momentum reversed.
     q = jnp.where(accepted, q, z_n)

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 from cola_jax import _noise
 from cola_jax._hyperparameters import check_positive, check_positive_integer
-from cola_jax._numerics import explicit_sharding
+from cola_jax._numerics import explicit_sharding, power_of_two_scale
 from cola_jax.constraints import stiefel_projection
 from cola_jax.constraints.base import Constraint
 
@@ -71,13 +71,24 @@ def gram_defect(q: jax.Array) -> jax.Array:
 
 
 def polar_factor(q: jax.Array) -> jax.Array:
-  """The nearest matrix with orthonormal columns, ``U V^T`` from ``Q = U S V^T``."""
+  """The nearest matrix with orthonormal columns, ``U V^T`` from ``Q = U S V^T``.
+
+  ``Q`` is scaled by an exact power of two first (``polar(c Q) = polar(Q)``
+  for ``c > 0``), so that the SVD sees entries of order one whatever their
+  size (``1e-30`` to ``3e38``). A ``Q`` with an ``inf`` or NaN entry gives a
+  matrix of NaN without calling the SVD, whose LAPACK iteration would not
+  return on CPU.
+  """
   sharding = jax.typeof(q).sharding
   replicated = stiefel_projection.replicated(q)
   if replicated is not None:  # explicit sharding: the SVD needs the whole matrix
     q = jax.sharding.reshard(q, replicated)
+  finite = jnp.all(jnp.isfinite(q))
+  scale = power_of_two_scale(jnp.max(jnp.abs(q)))
+  # Eye in place of a non-finite matrix: the SVD always gets finite input.
+  q = jnp.where(finite, q * scale, jnp.eye(*q.shape, dtype=q.dtype))
   u, _, vt = jnp.linalg.svd(q, full_matrices=False)
-  polar = jnp.matmul(u, vt, precision=_HIGHEST)
+  polar = jnp.where(finite, jnp.matmul(u, vt, precision=_HIGHEST), jnp.nan)
   return polar if replicated is None else jax.sharding.reshard(polar, sharding)
 
 
@@ -175,7 +186,9 @@ class Orthogonal(Constraint):
 
   def point(self, param, aux):
     q = tall_view(param)
-    off = jnp.max(jnp.abs(gram_defect(q))) > self.reproject_above
+    # NaN and overflow count as off: the polar factor then shows them as NaN
+    # (non-finite) or puts the parameter on the manifold (finite).
+    off = ~(jnp.max(jnp.abs(gram_defect(q))) <= self.reproject_above)
     return StiefelPoint(_polar_where(q, off), aux)
 
   def unpack(self, point, param):
@@ -214,6 +227,9 @@ class Orthogonal(Constraint):
     step = h * momentum
     new = self.project(point, step)
     # RATTLE: the momentum takes the same constraint impulse as the position,
-    # (Q_{n+1} - (Q_n + h P)) / h, then is projected onto the new cotangent space.
-    corrected = momentum + (new.matrix - point.matrix - step) / h
+    # (Q_{n+1} - (Q_n + h P)) / h, then is projected onto the new cotangent
+    # space. At h = 0 nothing moves and the impulse is 0.
+    impulse = new.matrix - point.matrix - step
+    moving = h != 0
+    corrected = momentum + jnp.where(moving, impulse * (1 / jnp.where(moving, h, 1)), 0)
     return new, self.cotangent(new, corrected)
