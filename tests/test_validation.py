@@ -111,10 +111,7 @@ def test_traced_hyperparameters_pass_construction():
 # Schedules that reach or cross zero.
 
 
-@pytest.mark.parametrize("owner", [
-    pytest.param(owner, marks=pytest.mark.xfail(
-        reason="needs rel-geometry: RATTLE divides by h = 0", strict=True) if owner == "o_cola_ud" else [])
-    for owner in FACTORIES])
+@pytest.mark.parametrize("owner", FACTORIES)
 def test_schedule_ending_at_zero_or_rounding_below_it_moves_nothing(owner):
   """A learning rate of 0 (cosine decay's end) or just below (linear_schedule's rounding) moves nothing."""
   params = {"w": jnp.linspace(-0.3, 0.3, 6).reshape(3, 2) * 0.2, "b": jnp.ones(2)}
