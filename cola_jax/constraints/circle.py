@@ -36,8 +36,13 @@ import jax.numpy as jnp
 
 from cola_jax import _noise
 from cola_jax._numerics import (
-    computed_together, concrete_float, explicit_sharding, inverse_sqrt, power_of_two_scale,
-    with_sincos)
+  computed_together,
+  concrete_float,
+  explicit_sharding,
+  inverse_sqrt,
+  power_of_two_scale,
+  with_sincos,
+)
 from cola_jax.constraints.base import Constraint
 
 

@@ -73,7 +73,12 @@ import jax.numpy as jnp
 
 from cola_jax import _noise
 from cola_jax._numerics import (
-    concrete_float, explicit_sharding, inverse_sqrt, power_of_two_scale, with_sincos)
+  concrete_float,
+  explicit_sharding,
+  inverse_sqrt,
+  power_of_two_scale,
+  with_sincos,
+)
 from cola_jax.constraints.base import Constraint
 
 # Unpack keeps |w_j|^2 <= r^2 (1 - _MARGIN eps) so that norms recomputed in
