@@ -152,17 +152,20 @@ def sincos(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def with_sincos(fn, x: jax.Array, *operands):
-  """``fn(sincos, x, *operands)``, with :func:`sincos_fast` whenever it is exact.
+  """``fn(sincos, x, *operands)``, evaluated with :func:`sincos_fast` whenever it is exact.
 
-  One ``lax.cond`` on ``max |x| < 2**13``: the common case runs the fused
-  fast path, the exact reduction runs only when some argument needs it (and,
-  under ``vmap``, where a ``cond`` becomes a select, for every member).
+  The result with :func:`sincos_fast` is recomputed with the exact
+  :func:`sincos` only if some ``|x| >= 2**13`` (or is NaN): a while loop of at
+  most one iteration, which under ``vmap`` runs once if any member needs it
+  (a ``lax.cond`` would become a select and run the exact path every step).
   """
   if x.dtype != jnp.float32:
     return fn(sincos, x, *operands)
-  fast = jnp.max(jnp.abs(x), initial=0.0) < FAST_SINCOS_LIMIT
-  return jax.lax.cond(fast, lambda *a: fn(sincos_fast, *a), lambda *a: fn(sincos, *a),
-                      x, *operands)
+  needed = ~(jnp.max(jnp.abs(x), initial=0.0) < FAST_SINCOS_LIMIT)
+  result, _ = jax.lax.while_loop(
+      lambda carry: carry[1], lambda carry: (fn(sincos, x, *operands), jnp.array(False)),
+      (fn(sincos_fast, x, *operands), needed))
+  return result
 
 
 def power_of_two_scale(m: jax.Array) -> jax.Array:
