@@ -177,16 +177,11 @@ def power_of_two_scale(m: jax.Array) -> jax.Array:
   ``v / |v|`` wherever the latter is representable. ``m`` below the smallest
   normal number (zero, subnormals) gets ``s = 2**(emax - 1)``; ``inf`` and NaN
   get NaN, so that what is scaled by it shows up as NaN. Bit operations only
-  (float32 and float64).
+  (any IEEE float dtype: float16, bfloat16, float32, float64).
   """
   info = jnp.finfo(m.dtype)
   mantissa = info.nmant
-  if m.dtype == jnp.float32:
-    int_dtype = jnp.int32
-  elif m.dtype == jnp.float64:
-    int_dtype = jnp.int64
-  else:
-    raise TypeError(f"power_of_two_scale: float32 or float64, got {m.dtype}")
+  int_dtype = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[jnp.dtype(m.dtype).itemsize]
   top = 2 * info.maxexp - 2  # biased exponent of the largest finite numbers
   exponent = jax.lax.bitcast_convert_type(m, int_dtype) >> mantissa
   scale = jax.lax.bitcast_convert_type(
