@@ -152,17 +152,20 @@ def sincos(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def with_sincos(fn, x: jax.Array, *operands):
-  """``fn(sincos, x, *operands)``, with :func:`sincos_fast` whenever it is exact.
+  """``fn(sincos, x, *operands)``, evaluated with :func:`sincos_fast` whenever it is exact.
 
-  One ``lax.cond`` on ``max |x| < 2**13``: the common case runs the fused
-  fast path, the exact reduction runs only when some argument needs it (and,
-  under ``vmap``, where a ``cond`` becomes a select, for every member).
+  The result with :func:`sincos_fast` is recomputed with the exact
+  :func:`sincos` only if some ``|x| >= 2**13`` (or is NaN): a while loop of at
+  most one iteration, which under ``vmap`` runs once if any member needs it
+  (a ``lax.cond`` would become a select and run the exact path every step).
   """
   if x.dtype != jnp.float32:
     return fn(sincos, x, *operands)
-  fast = jnp.max(jnp.abs(x), initial=0.0) < FAST_SINCOS_LIMIT
-  return jax.lax.cond(fast, lambda *a: fn(sincos_fast, *a), lambda *a: fn(sincos, *a),
-                      x, *operands)
+  needed = ~(jnp.max(jnp.abs(x), initial=0.0) < FAST_SINCOS_LIMIT)
+  result, _ = jax.lax.while_loop(
+      lambda carry: carry[1], lambda carry: (fn(sincos, x, *operands), jnp.array(False)),
+      (fn(sincos_fast, x, *operands), needed))
+  return result
 
 
 def power_of_two_scale(m: jax.Array) -> jax.Array:
@@ -174,16 +177,11 @@ def power_of_two_scale(m: jax.Array) -> jax.Array:
   ``v / |v|`` wherever the latter is representable. ``m`` below the smallest
   normal number (zero, subnormals) gets ``s = 2**(emax - 1)``; ``inf`` and NaN
   get NaN, so that what is scaled by it shows up as NaN. Bit operations only
-  (float32 and float64).
+  (any IEEE float dtype: float16, bfloat16, float32, float64).
   """
   info = jnp.finfo(m.dtype)
   mantissa = info.nmant
-  if m.dtype == jnp.float32:
-    int_dtype = jnp.int32
-  elif m.dtype == jnp.float64:
-    int_dtype = jnp.int64
-  else:
-    raise TypeError(f"power_of_two_scale: float32 or float64, got {m.dtype}")
+  int_dtype = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[jnp.dtype(m.dtype).itemsize]
   top = 2 * info.maxexp - 2  # biased exponent of the largest finite numbers
   exponent = jax.lax.bitcast_convert_type(m, int_dtype) >> mantissa
   scale = jax.lax.bitcast_convert_type(

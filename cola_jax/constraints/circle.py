@@ -17,6 +17,12 @@ orthogonal (radial) one, ``r (theta, xi) / |(theta, xi)|``, which keeps the
 quadrant (the paper's ``arctan(xi / theta)`` form does not; see
 ``../shared/paper/NOTES.md``, erratum 2).
 
+Extreme input: the radial projection scales each pair by an exact power of
+two before squaring, so a step of any finite size lands on the circle on the
+side it points to; the rotation's sine and cosine are exact for every finite
+angle (:func:`~cola_jax._numerics.with_sincos`), so the pair keeps its radius
+to rounding; ``h = 0`` moves nothing; an ``inf`` or NaN gives NaN.
+
 References:
   Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of
   Neural Networks*, OPT2020, Appendix B (c-CoLA-od, c-CoLA-ud).
@@ -31,7 +37,12 @@ import jax.numpy as jnp
 from cola_jax import _noise
 from cola_jax._hyperparameters import check_positive
 from cola_jax._numerics import (
-    computed_together, explicit_sharding, inverse_sqrt, power_of_two_scale, with_sincos)
+  computed_together,
+  explicit_sharding,
+  inverse_sqrt,
+  power_of_two_scale,
+  with_sincos,
+)
 from cola_jax.constraints.base import Constraint
 
 
@@ -82,6 +93,7 @@ class Circle(Constraint):
     # Both entries in [-r, r] (a healthy slack is): the pair scaled by 1/r
     # cannot overflow, and the cheaper fixed scale serves.
     theta, xi = jnp.clip(param, -r, r), jnp.clip(aux.slack.astype(param.dtype), -r, r)
+    theta = jnp.where(jnp.isinf(param), jnp.nan, theta)  # clipping would hide it
     return self._onto_circle(theta, xi, 1 / r)
 
   def _onto_circle(self, theta, xi, scale=None):

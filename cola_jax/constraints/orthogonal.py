@@ -25,6 +25,14 @@ matrices. A step that does not converge is flagged in the leaf's
 :class:`ProjectionInfo` and finished with the polar projection (the nearest
 orthonormal matrix), so the constraint holds after every update.
 
+Extreme input. Steps of any finite size end on the manifold or flagged: a
+projection that diverges is replaced by the polar factor of the unprojected
+point, computed after an exact power-of-two scaling (``polar(c Q) =
+polar(Q)``), so entries from ``1e-30`` to ``3e38`` are fine. An ``inf`` or NaN
+in the gradient or the parameter gives a leaf of NaN with
+``ProjectionInfo.converged`` False, without calling the SVD (LAPACK's would
+not return). At ``h = 0`` the RATTLE impulse is 0: nothing moves.
+
 The cotangent projection is
 ``Pi_Q P = P - 1/2 Q (P^T Q + Q^T P)``, and the A step is RATTLE: the position
 is projected as above and the momentum is corrected by the same multiplier and

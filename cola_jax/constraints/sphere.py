@@ -49,6 +49,13 @@ and ``p(h)`` is stored in the frame at ``q(h)``. The overdamped projection is
 the orthogonal (radial) one, ``r q / |q|``; the ambient gradient is ``(g, 0)``
 and the ambient noise independent normals on ``w`` and ``xi``.
 
+Extreme input: norms are taken after an exact power-of-two scaling of each
+unit (of the momentum, in the A step), so units and steps of any finite size
+are projected in their own direction; the great-circle angle is reduced
+exactly (:func:`~cola_jax._numerics.with_sincos`); ``h = 0`` moves nothing;
+an ``inf`` or NaN gives NaN. A gradient within a factor ``n`` of the largest
+float overflows in the projection onto the cotangent space (NaN, visible).
+
 References:
   Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of
   Neural Networks*, OPT2020 (the max-norm constraint, mentioned there and
@@ -66,7 +73,12 @@ import jax.numpy as jnp
 
 from cola_jax import _noise
 from cola_jax._hyperparameters import check_positive
-from cola_jax._numerics import explicit_sharding, inverse_sqrt, power_of_two_scale, with_sincos
+from cola_jax._numerics import (
+  explicit_sharding,
+  inverse_sqrt,
+  power_of_two_scale,
+  with_sincos,
+)
 from cola_jax.constraints.base import Constraint
 
 # Unpack keeps |w_j|^2 <= r^2 (1 - _MARGIN eps) so that norms recomputed in
@@ -204,7 +216,8 @@ class Sphere(Constraint):
     ws = w * s
     norm2 = self._dot(ws, ws)  # |w_j|^2 s^2, in [1, 16 n) unless w_j is (flushed to) 0
     inverse_norm = inverse_sqrt(jnp.where(norm2 > 0, norm2, jnp.ones_like(norm2)))
-    outside = (r * s) * inverse_norm < 1  # r s may underflow (then w_j is far outside)
+    # r s may underflow (then w_j is far outside); NaN (inf or NaN in w_j) too.
+    outside = ~((r * s) * inverse_norm >= 1)
     return jnp.where(outside, ws * (r * inverse_norm), w)
 
   def point(self, param, aux):
