@@ -7,27 +7,90 @@ import jax.numpy as jnp
 import numpy as np
 
 # pi/2 split into three float32 parts whose products with small integers are
-# exact (Cody-Waite range reduction).
+# exact (Cody-Waite range reduction): k * _PIO2_HI and k * _PIO2_MID are exact
+# for k < 2**13, so the reduction is exact for |x| < FAST_SINCOS_LIMIT.
 _PIO2_HI = np.float32(1.5703125)
 _PIO2_MID = np.float32(4.837512969970703125e-4)
 _PIO2_LO = np.float32(7.54978995489188216e-8)
+FAST_SINCOS_LIMIT = np.float32(2.0**13)
 
 
-def sincos(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Returns ``(sin(x), cos(x))`` to float32 accuracy, in plain arithmetic.
+def _two_over_pi(bits: int) -> int:
+  """``floor(2**bits * 2 / pi)``, from Machin's formula in integer arithmetic."""
+  one = 1 << (bits + 64)  # 64 guard bits
 
-  XLA's CPU backend evaluates ``jnp.sin`` and ``jnp.cos`` as two separate
-  scalar-heavy expansions and, inside a multi-output update, computes each of
-  them once per output. This version reduces ``x = k pi/2 + y`` with
-  ``|y| <= pi/4`` and evaluates minimax polynomials for sin and cos on the
-  reduced argument, so XLA vectorises and fuses it like any product or sum.
-  Absolute error <= 1.2e-7 for float32 arguments with ``|x| <= 100`` (tested).
-  Other float dtypes fall back to ``jnp.sin`` and ``jnp.cos``.
+  def arctan_inverse(n):  # one * arctan(1 / n)
+    total, term, k, sign = 0, one // n, 1, 1
+    while term:
+      total += sign * (term // k)
+      term //= n * n
+      k, sign = k + 2, -sign
+    return total
+
+  pi = 4 * (4 * arctan_inverse(5) - arctan_inverse(239))
+  return (2 * one << bits) // pi
+
+
+# Payne-Hanek reduction of float32 x = M 2**e (M < 2**24 an integer, e in
+# [_E_MIN, _E_MAX], i.e. 2**13 <= |x| < 2**128): x 2/pi = M (2**e 2/pi mod 4)
+# mod 4. Row e - _E_MIN holds 2**e 2/pi mod 4 in five float32 parts, four of
+# 12 bits at the weights 2**1..2**-10, 2**-11..2**-22, 2**-23..2**-34,
+# 2**-35..2**-46, and the next 24 bits, so that the products with the 12-bit
+# halves of M that matter are exact.
+_E_MIN, _E_MAX = -10, 104
+_FRACTION_BITS = 70
+
+
+def _quarter_turn_table() -> np.ndarray:
+  bits = _E_MAX + _FRACTION_BITS + 4
+  two_over_pi = _two_over_pi(bits)
+  rows = []
+  for e in range(_E_MIN, _E_MAX + 1):
+    f = (two_over_pi >> (bits - e - _FRACTION_BITS)) & ((4 << _FRACTION_BITS) - 1)
+    parts = [(f >> (_FRACTION_BITS - 10)) * 2.0**-10]
+    for low in (22, 34, 46):
+      parts.append(((f >> (_FRACTION_BITS - low)) & 0xFFF) * 2.0**-low)
+    parts.append((f & ((1 << (_FRACTION_BITS - 46)) - 1)) * 2.0**-_FRACTION_BITS)
+    rows.append(parts)
+  table = np.array(rows)
+  assert np.all(table.astype(np.float32) == table)
+  return table.astype(np.float32)
+
+
+_QUARTER_TURNS = _quarter_turn_table()
+
+
+def _mod4(v):
+  """``v`` minus the nearest multiple of 4 (exact: the result has fewer bits)."""
+  return v - 4 * jnp.round(v * np.float32(0.25))
+
+
+def _reduce_large(x):
+  """``(y, k)`` with ``x = k pi/2 + y``, ``|y| <= pi/4``, for float32 ``|x| >= 2**13``.
+
+  Exact reduction (Payne-Hanek): the quarter turns ``x 2/pi mod 4`` are
+  summed from exact products of 12-bit parts, with an absolute error below
+  ``2**-33``. Only the quadrant ``k mod 4`` of ``k`` is meaningful.
   """
-  if x.dtype != jnp.float32:
-    return jnp.sin(x), jnp.cos(x)
-  k = jnp.round(x * np.float32(2 / np.pi))
-  y = x - k * _PIO2_HI - k * _PIO2_MID - k * _PIO2_LO
+  ax = jnp.abs(x)
+  bits = jax.lax.bitcast_convert_type(ax, jnp.int32)
+  row = jnp.clip((bits >> 23) - 150 - _E_MIN, 0, _QUARTER_TURNS.shape[0] - 1)
+  m = ((bits & 0x7FFFFF) | 0x800000).astype(jnp.float32)
+  c0, c1, c2, c3, c4 = (jnp.asarray(_QUARTER_TURNS[:, j])[row] for j in range(5))
+  m_high = jnp.floor(m * np.float32(2.0**-12)) * np.float32(2.0**12)
+  m_low = m - m_high  # m_high * c0 is a multiple of 4: left out
+  turns = _mod4(_mod4(_mod4(m_low * c0) + _mod4(m_high * c1))
+                + _mod4(_mod4(m_low * c1) + _mod4(m_high * c2)))
+  small = (m_low * c2 + m_high * c3) + (m_low * c3 + m * c4)
+  k = jnp.round(turns + small)
+  y = ((turns - k) + small) * np.float32(np.pi / 2)
+  y = jnp.where(ax <= np.finfo(np.float32).max, y, np.float32(np.nan))  # inf: NaN
+  negative = x < 0
+  return jnp.where(negative, -y, y), jnp.where(negative, -k, k)
+
+
+def _sincos_reduced(y, k):
+  """``sin`` and ``cos`` of ``k pi/2 + y`` for ``|y| <= pi/4`` (minimax polynomials)."""
   y2 = y * y
   sin_y = y + y * y2 * (
       np.float32(-1.6666654611e-1)
@@ -43,6 +106,87 @@ def sincos(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   sin_x = jnp.where(quadrant >= 2, -sin_x, sin_x)
   cos_x = jnp.where((quadrant == 1) | (quadrant == 2), -cos_x, cos_x)
   return sin_x, cos_x
+
+
+def _cody_waite(x):
+  k = jnp.round(x * np.float32(2 / np.pi))
+  return x - k * _PIO2_HI - k * _PIO2_MID - k * _PIO2_LO, k
+
+
+def sincos_fast(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(sin(x), cos(x))`` in plain arithmetic, accurate for ``|x| < FAST_SINCOS_LIMIT``.
+
+  XLA's CPU backend evaluates ``jnp.sin`` and ``jnp.cos`` as two separate
+  scalar-heavy expansions and, inside a multi-output update, computes each of
+  them once per output. This version reduces ``x = k pi/2 + y`` with
+  ``|y| <= pi/4`` (Cody-Waite, exact for ``|x| < 2**13``) and evaluates
+  minimax polynomials for sin and cos on the reduced argument, so XLA
+  vectorises and fuses it like any product or sum. Absolute error <= 1.2e-7
+  for float32 ``|x| < 2**13``; larger arguments give wrong values (use
+  :func:`sincos`). Other float dtypes use ``jnp.sin`` and ``jnp.cos``.
+  """
+  if x.dtype != jnp.float32:
+    return jnp.sin(x), jnp.cos(x)
+  return _sincos_reduced(*_cody_waite(x))
+
+
+def sincos(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(sin(x), cos(x))`` for every finite ``x``, in plain arithmetic.
+
+  As :func:`sincos_fast` for ``|x| < 2**13``; larger float32 arguments are
+  reduced exactly (Payne-Hanek, with ``2/pi`` to 178 bits), so the values are
+  those of the exact sine and cosine of the float32 ``x`` to an absolute
+  error <= 1.2e-7 up to ``3.4e38`` (tested against float64), and
+  ``sin^2 + cos^2 = 1`` to rounding. ``inf`` and NaN give NaN. The exact
+  reduction costs about as much as the rest of a fused update on every entry,
+  so hot paths call :func:`with_sincos`, which pays for it only when an
+  argument needs it. Other float dtypes use ``jnp.sin`` and ``jnp.cos``
+  (exact reduction in XLA).
+  """
+  if x.dtype != jnp.float32:
+    return jnp.sin(x), jnp.cos(x)
+  y, k = _cody_waite(x)
+  y_large, k_large = _reduce_large(x)
+  large = ~(jnp.abs(x) < FAST_SINCOS_LIMIT)  # NaN too
+  return _sincos_reduced(jnp.where(large, y_large, y), jnp.where(large, k_large, k))
+
+
+def with_sincos(fn, x: jax.Array, *operands):
+  """``fn(sincos, x, *operands)``, evaluated with :func:`sincos_fast` whenever it is exact.
+
+  The result with :func:`sincos_fast` is recomputed with the exact
+  :func:`sincos` only if some ``|x| >= 2**13`` (or is NaN): a while loop of at
+  most one iteration, which under ``vmap`` runs once if any member needs it
+  (a ``lax.cond`` would become a select and run the exact path every step).
+  """
+  if x.dtype != jnp.float32:
+    return fn(sincos, x, *operands)
+  needed = ~(jnp.max(jnp.abs(x), initial=0.0) < FAST_SINCOS_LIMIT)
+  result, _ = jax.lax.while_loop(
+      lambda carry: carry[1], lambda carry: (fn(sincos, x, *operands), jnp.array(False)),
+      (fn(sincos_fast, x, *operands), needed))
+  return result
+
+
+def power_of_two_scale(m: jax.Array) -> jax.Array:
+  """A power of two ``s`` with ``1 <= m s < 4`` for finite ``m >= tiny``; exact scaling.
+
+  For overflow-safe norms: multiplying by ``s`` is exact (no rounding) and
+  commutes with the rounding of sums and products, so ``|v s|^2`` neither
+  overflows nor underflows and a direction ``v s / |v s|`` equals
+  ``v / |v|`` wherever the latter is representable. ``m`` below the smallest
+  normal number (zero, subnormals) gets ``s = 2**(emax - 1)``; ``inf`` and NaN
+  get NaN, so that what is scaled by it shows up as NaN. Bit operations only
+  (any IEEE float dtype: float16, bfloat16, float32, float64).
+  """
+  info = jnp.finfo(m.dtype)
+  mantissa = info.nmant
+  int_dtype = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[jnp.dtype(m.dtype).itemsize]
+  top = 2 * info.maxexp - 2  # biased exponent of the largest finite numbers
+  exponent = jax.lax.bitcast_convert_type(m, int_dtype) >> mantissa
+  scale = jax.lax.bitcast_convert_type(
+      ((top - jnp.clip(exponent, 1, top - 1)) << mantissa).astype(int_dtype), m.dtype)
+  return jnp.where(exponent > top, jnp.asarray(np.nan, m.dtype), scale)
 
 
 def inverse_sqrt(z: jax.Array) -> jax.Array:

@@ -1,6 +1,11 @@
-"""Assigning constraints to parameter leaves, with errors that name the leaf."""
+"""Assigning constraints to parameter leaves, and checking the trees a transform gets.
 
-from typing import Any, Callable, Union
+Every check here runs where shapes and dtypes are static (at ``init``, or when
+``update`` is traced): an error names the argument and the leaf's path, as in
+``grads['layer0']['w']``, and nothing is added to the compiled step.
+"""
+
+from typing import Any, Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +34,8 @@ class LeafLayout:
     self.owner = owner
     paths_and_leaves, self.treedef = jax.tree_util.tree_flatten_with_path(params)
     self.paths = [jax.tree_util.keystr(path) for path, _ in paths_and_leaves]
-    self.params = [leaf for _, leaf in paths_and_leaves]
+    self.params = [
+        self._array(leaf, "params", path) for path, (_, leaf) in zip(self.paths, paths_and_leaves)]
     self.constraints = self._assign(spec, params)
     # The geometry runs in at least float32 (float64 stays float64); updates
     # are returned in each parameter's own dtype.
@@ -53,12 +59,14 @@ class LeafLayout:
         raise TypeError(
             f"{self.owner}: the constraint for the leaf at {path} is "
             f"{constraint!r}; expected a cola_jax Constraint or None.")
-      if not jnp.issubdtype(jnp.result_type(param), jnp.floating):
+      if not jnp.issubdtype(param.dtype, jnp.floating):
         raise TypeError(
-            f"{self.owner}: the leaf at {path} has dtype {jnp.result_type(param)}; "
-            "parameters must be floating point.")
+            f"{self.owner}: the leaf at {path} has dtype {param.dtype}; "
+            f"parameters must be floating point (params{path}).")
       constraint.validate(param, path)
-      constraints.append(constraint)
+      # A leaf without entries has nothing to move or constrain: it passes
+      # as under optax.sgd (and reports no residual).
+      constraints.append(_EUCLIDEAN if param.size == 0 else constraint)
     return constraints
 
   def flatten(self, tree, what: str) -> list:
@@ -73,9 +81,33 @@ class LeafLayout:
   def unflatten(self, leaves: list):
     return self.treedef.unflatten(leaves)
 
+  def _array(self, leaf, what: str, path: str) -> jax.Array:
+    """The leaf as an array (Python and NumPy scalars become arrays, as in optax)."""
+    if leaf is None:
+      raise TypeError(
+          f"{self.owner}: {what}{path} is None, but params{path} is an array. Pass a "
+          "zero gradient (jnp.zeros_like) for a parameter without one, or route the "
+          "parameter to another transformation with optax.masked or optax.partition.")
+    try:
+      return jnp.asarray(leaf)
+    except TypeError:
+      raise TypeError(
+          f"{self.owner}: {what}{path} is {leaf!r}; expected an array or a number.") from None
+
   def gradients(self, grads) -> list:
-    """The gradient leaves, in the compute dtype of their parameters."""
-    return [g.astype(p.dtype) for g, p in zip(self.flatten(grads, "grads"), self.compute)]
+    """The gradient leaves, checked and in the compute dtype of their parameters."""
+    leaves = []
+    for path, g, p in zip(self.paths, self.flatten(grads, "grads"), self.compute):
+      g = self._array(g, "grads", path)
+      if not jnp.issubdtype(g.dtype, jnp.floating):
+        raise TypeError(
+            f"{self.owner}: grads{path} has dtype {g.dtype}; gradients must be floating point.")
+      if g.shape != p.shape:
+        raise ValueError(
+            f"{self.owner}: grads{path} has shape {g.shape}, but params{path} has shape "
+            f"{p.shape}; gradients must have the shapes of the parameters (no broadcasting).")
+      leaves.append(g.astype(p.dtype))
+    return leaves
 
   def updates(self, new_params: list):
     """``new - old`` for every leaf, in the parameter's own dtype."""
@@ -83,13 +115,24 @@ class LeafLayout:
         (new - old).astype(param.dtype)
         for new, old, param in zip(new_params, self.compute, self.params)])
 
-  def check_aux(self, auxes: list) -> None:
-    """Raises if a leaf's stored auxiliary state does not fit its constraint."""
-    for path, param, constraint, aux in zip(self.paths, self.params, self.constraints, auxes):
-      expected = jax.tree.structure(
-          jax.eval_shape(constraint.init, jax.ShapeDtypeStruct(param.shape, param.dtype)))
-      if jax.tree.structure(aux) != expected:
+  def check_state(self, auxes: list, momenta: Optional[list] = None) -> None:
+    """Raises if the optimizer state does not fit the parameters and their constraints."""
+    for i, (path, p, constraint, aux) in enumerate(
+        zip(self.paths, self.compute, self.constraints, auxes)):
+      leaf = jax.ShapeDtypeStruct(p.shape, p.dtype)
+      expected = jax.eval_shape(constraint.init, leaf)
+      if jax.tree.structure(aux) != jax.tree.structure(expected):
         raise ValueError(
             f"{self.owner}: the optimizer state for the leaf at {path} does not "
             f"match its constraint {constraint!r} (state {type(aux).__name__}). "
             "Re-initialise the optimizer when constraints or parameters change.")
+      stored = list(zip(jax.tree.leaves(aux), jax.tree.leaves(expected)))
+      if momenta is not None:
+        stored.append((momenta[i], jax.eval_shape(constraint.zero_momentum, leaf)))
+      for got, want in stored:
+        if jnp.shape(got) != want.shape:
+          raise ValueError(
+              f"{self.owner}: the optimizer state for params{path} holds an array of "
+              f"shape {jnp.shape(got)} where a parameter of shape {p.shape} needs "
+              f"{want.shape}: the state was initialised for parameters of other shapes. "
+              "Re-initialise the optimizer when parameters change.")

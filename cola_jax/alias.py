@@ -11,8 +11,10 @@ import math
 from typing import Any, Callable, Optional, Union
 
 import jax
+import jax.numpy as jnp
 import optax
 
+from cola_jax._hyperparameters import check_nonnegative, check_positive
 from cola_jax.constraints.circle import Circle
 from cola_jax.constraints.orthogonal import Orthogonal
 from cola_jax.transforms import cola_od, cola_ud
@@ -22,7 +24,7 @@ RadiusSpec = Union[float, Any, Callable[[Any], Any]]
 
 
 def _default_mask(params):
-  return jax.tree.map(lambda p: p.ndim >= 2, params)
+  return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
 
 
 def _per_leaf(spec, params, what: str, owner: str):
@@ -64,6 +66,10 @@ def circle_constraints(radius: RadiusSpec, *, mask: MaskOrFn = None, owner: str 
   each masked-in leaf whose radius is not None, for
   ``cola_od``/``cola_ud(constraints=...)`` or :func:`~cola_jax.project_params`.
   """
+
+  if not callable(radius):  # numbers known now are checked now
+    for path, r in jax.tree_util.tree_flatten_with_path(radius)[0]:
+      check_positive(owner, f"radius{jax.tree_util.keystr(path)}", r)
 
   def make(r, path):
     try:
@@ -238,8 +244,8 @@ def sgd_momentum_to_langevin(learning_rate: float, momentum: float) -> tuple[flo
   Returns:
     ``(h, gamma)``.
   """
-  if not learning_rate > 0:
-    raise ValueError(f"learning_rate must be positive, got {learning_rate!r}.")
+  check_positive("sgd_momentum_to_langevin", "learning_rate", learning_rate)
+  check_positive("sgd_momentum_to_langevin", "momentum", momentum)
   if not 0 < momentum <= 1:
     raise ValueError(
         f"momentum must be in (0, 1], got {momentum!r} (momentum 0 is infinite "
@@ -254,8 +260,6 @@ def langevin_to_sgd_momentum(learning_rate: float, friction: float) -> tuple[flo
   Example: the paper's c-CoLA-ud ``h = 0.3, gamma = 1`` has the SGD-m
   hyperparameters ``learning_rate = 0.09, momentum = 0.741``.
   """
-  if not learning_rate > 0:
-    raise ValueError(f"learning_rate must be positive, got {learning_rate!r}.")
-  if not friction >= 0:
-    raise ValueError(f"friction must be non-negative, got {friction!r}.")
+  check_positive("langevin_to_sgd_momentum", "learning_rate", learning_rate)
+  check_nonnegative("langevin_to_sgd_momentum", "friction", friction)
   return learning_rate**2, math.exp(-friction * learning_rate)

@@ -3,6 +3,7 @@
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from cola_jax.transforms import OverdampedState, UnderdampedState
@@ -63,5 +64,5 @@ def constraint_residuals(params: Any, state: Any) -> Any:
         "constraint_residuals: the state's constraint_states do not have the "
         f"structure of params.\n{error}") from None
   return treedef.unflatten([
-      None if aux is None or isinstance(aux, optax.MaskedNode) else aux.residual(param)
+      None if aux is None or isinstance(aux, optax.MaskedNode) else aux.residual(jnp.asarray(param))
       for param, aux in zip(leaves, auxes)])

@@ -10,7 +10,9 @@ def project_params(params: Any, constraints: ConstraintSpec) -> Any:
 
   Circle leaves are clipped to ``[-r, r]``; orthogonal leaves are replaced by
   their polar factor (the nearest matrix with orthonormal columns or rows);
-  free leaves are unchanged. The first update of a CoLA transform does the
+  free leaves are unchanged. A constrained leaf with an ``inf`` or NaN entry
+  comes back as NaN (an :class:`~cola_jax.Implicit` one raises ValueError);
+  finite leaves of any size are projected. The first update of a CoLA transform does the
   same, so this is for starting a run on the manifold (or looking at the
   initial network) rather than a requirement.
 

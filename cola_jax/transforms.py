@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from cola_jax import langevin
+from cola_jax._hyperparameters import check_nonnegative, check_positive
 from cola_jax._numerics import concrete_float, explicit_sharding
 from cola_jax._tree import ConstraintSpec, LeafLayout
 
@@ -48,20 +49,15 @@ class UnderdampedState(NamedTuple):
 _SPLITTINGS = ("OBA", "BAOAB")
 
 
-def _check_hyperparameters(owner, learning_rate, temperature, key, friction=None) -> bool:
+def _check_hyperparameters(owner, learning_rate, temperature, key) -> bool:
   """Validates what is known now; returns whether noise is drawn."""
-  h = concrete_float(learning_rate)
-  if h is not None and not h > 0:
-    raise ValueError(f"{owner}: learning_rate must be positive, got {learning_rate!r}.")
-  if friction is not None:
-    if callable(friction):
-      raise TypeError(f"{owner}: friction must be a number, not a schedule.")
-    gamma = concrete_float(friction)
-    if gamma is not None and not gamma >= 0:
-      raise ValueError(f"{owner}: friction must be non-negative, got {friction!r}.")
+  if isinstance(learning_rate, jax.Array):
+    # A schedule's value at a step (optax.inject_hyperparams passes arrays) may be 0.
+    check_nonnegative(owner, "learning_rate", learning_rate)
+  else:
+    check_positive(owner, "learning_rate", learning_rate)
+  check_nonnegative(owner, "temperature", temperature)
   tau = concrete_float(temperature)
-  if tau is not None and not tau >= 0:
-    raise ValueError(f"{owner}: temperature must be non-negative, got {temperature!r}.")
   if key is None:
     if callable(temperature) or (tau is not None and tau != 0):
       raise ValueError(
@@ -88,6 +84,16 @@ def _is_prng_key(key) -> bool:
 def _at(value, count):
   """A hyperparameter at step ``count``: schedules are called, numbers pass."""
   return value(count) if callable(value) else value
+
+
+def _step_size_at(learning_rate, count):
+  """The step size at ``count``; a schedule's rounding below zero reads as 0.
+
+  (``optax.linear_schedule(0.1, 0.0, n)`` evaluates to about -1.5e-9 past
+  ``n`` under ``jit``.) A number, checked positive at construction, passes as it is.
+  """
+  value = _at(learning_rate, count)
+  return value if isinstance(value, (int, float)) else jnp.maximum(value, 0.0)
 
 
 def _temperature_at(temperature, count):
@@ -126,8 +132,11 @@ def _step_keys(key, noisy: bool, n_leaves: int):
   return key, list(jax.random.split(step_key, n_leaves))
 
 
-def _map_leaves(leaf_step, constraints, params, *columns) -> tuple[list, ...]:
+def _map_leaves(n_outputs, leaf_step, constraints, params, *columns) -> tuple[list, ...]:
   """``leaf_step(constraint, param, *column_entries)`` for every leaf, transposed.
+
+  ``leaf_step`` returns ``n_outputs`` values; with no leaves the result is
+  ``n_outputs`` empty lists.
 
   On accelerators, leaves that share a constraint whose ``stack_same_shape`` is
   set, a shape and a dtype (and carry no explicit sharding) are stacked and
@@ -154,7 +163,7 @@ def _map_leaves(leaf_step, constraints, params, *columns) -> tuple[list, ...]:
     batched = jax.vmap(lambda *args: leaf_step(c, *args))(*stacked)
     for position, i in enumerate(members):
       outputs[i] = jax.tree.map(lambda x: x[position], batched)
-  return tuple(list(column) for column in zip(*outputs))
+  return tuple([output[k] for output in outputs] for k in range(n_outputs))
 
 
 def _stacking_pays() -> bool:
@@ -241,8 +250,8 @@ def cola_od(
     layout = LeafLayout(owner, constraints, params)
     grad_leaves = layout.gradients(grads)
     auxes = layout.flatten(state.constraint_states, "state.constraint_states")
-    layout.check_aux(auxes)
-    h = _at(learning_rate, state.count)
+    layout.check_state(auxes)
+    h = _step_size_at(learning_rate, state.count)
     noise_scale = jnp.sqrt(2 * _temperature_at(temperature, state.count) * h) if noisy else None
     next_key, leaf_keys = _step_keys(state.key, noisy, len(layout.params))
 
@@ -251,7 +260,7 @@ def cola_od(
       return c.unpack(point, param)
 
     new_params, new_auxes = _map_leaves(
-        leaf_step, layout.constraints, layout.compute, grad_leaves, auxes, leaf_keys)
+        2, leaf_step, layout.constraints, layout.compute, grad_leaves, auxes, leaf_keys)
     return layout.updates(new_params), OverdampedState(
         count=optax.safe_increment(state.count), key=next_key,
         constraint_states=layout.unflatten(new_auxes))
@@ -315,7 +324,10 @@ def cola_ud(
     Neural Networks*, OPT2020 (Sec. 3, Appendix B).
   """
   owner = "cola_ud"
-  noisy = _check_hyperparameters(owner, learning_rate, temperature, key, friction)
+  if callable(friction):
+    raise TypeError(f"{owner}: friction must be a number, not a schedule.")
+  check_nonnegative(owner, "friction", friction)
+  noisy = _check_hyperparameters(owner, learning_rate, temperature, key)
   if splitting not in _SPLITTINGS:
     raise ValueError(f"{owner}: splitting must be one of {_SPLITTINGS}, got {splitting!r}.")
 
@@ -332,9 +344,9 @@ def cola_ud(
     layout = LeafLayout(owner, constraints, params)
     grad_leaves = layout.gradients(grads)
     auxes = layout.flatten(state.constraint_states, "state.constraint_states")
-    layout.check_aux(auxes)
     momenta = layout.flatten(state.momentum, "state.momentum")
-    h = _at(learning_rate, state.count)
+    layout.check_state(auxes, momenta)
+    h = _step_size_at(learning_rate, state.count)
     decay = jnp.exp(-friction * h)
     noise_scale = (
         jnp.sqrt(_temperature_at(temperature, state.count) * (1 - decay * decay)) if noisy else None)
@@ -354,7 +366,7 @@ def cola_ud(
       return new_param, new_aux, c.store_momentum(momentum, param).astype(stored.dtype)
 
     new_params, new_auxes, new_momenta = _map_leaves(
-        leaf_step, layout.constraints, layout.compute, grad_leaves, auxes, momenta, leaf_keys)
+        3, leaf_step, layout.constraints, layout.compute, grad_leaves, auxes, momenta, leaf_keys)
     return layout.updates(new_params), UnderdampedState(
         count=optax.safe_increment(state.count), key=next_key,
         constraint_states=layout.unflatten(new_auxes), momentum=layout.unflatten(new_momenta))

@@ -261,7 +261,10 @@ def test_non_positive_radius_is_an_error_naming_the_leaf(radius, mlp_problem):
   params, _ = mlp_problem
   with pytest.raises(ValueError, match="radius"):
     cola.Circle(radius)
-  tx = cola.c_cola_od(0.1, radius={"layer0": 0.1, "layer1": radius, "layer2": 0.1})
+  radii = {"layer0": 0.1, "layer1": radius, "layer2": 0.1}
+  with pytest.raises(ValueError, match=r"c_cola_od: radius\['layer1'\] must be positive"):
+    cola.c_cola_od(0.1, radius=radii)
+  tx = cola.c_cola_od(0.1, radius=lambda _: radii)  # known at init only
   with pytest.raises(ValueError, match=r"\['layer1'\]\['w'\]"):
     tx.init(params)
 

@@ -17,6 +17,12 @@ orthogonal (radial) one, ``r (theta, xi) / |(theta, xi)|``, which keeps the
 quadrant (the paper's ``arctan(xi / theta)`` form does not; see
 ``../shared/paper/NOTES.md``, erratum 2).
 
+Extreme input: the radial projection scales each pair by an exact power of
+two before squaring, so a step of any finite size lands on the circle on the
+side it points to; the rotation's sine and cosine are exact for every finite
+angle (:func:`~cola_jax._numerics.with_sincos`), so the pair keeps its radius
+to rounding; ``h = 0`` moves nothing; an ``inf`` or NaN gives NaN.
+
 References:
   Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of
   Neural Networks*, OPT2020, Appendix B (c-CoLA-od, c-CoLA-ud).
@@ -29,8 +35,14 @@ import jax
 import jax.numpy as jnp
 
 from cola_jax import _noise
+from cola_jax._hyperparameters import check_positive
 from cola_jax._numerics import (
-    computed_together, concrete_float, explicit_sharding, inverse_sqrt, sincos)
+  computed_together,
+  explicit_sharding,
+  inverse_sqrt,
+  power_of_two_scale,
+  with_sincos,
+)
 from cola_jax.constraints.base import Constraint
 
 
@@ -69,9 +81,7 @@ class Circle(Constraint):
   radius: float
 
   def __post_init__(self):
-    r = concrete_float(self.radius)
-    if r is not None and not r > 0:
-      raise ValueError(f"Circle: radius must be positive, got {self.radius!r}.")
+    check_positive("Circle", "radius", self.radius)
 
   def init(self, param):
     r = jnp.asarray(self.radius, param.dtype)
@@ -80,25 +90,36 @@ class Circle(Constraint):
 
   def point(self, param, aux):
     r = jnp.asarray(self.radius, param.dtype)
-    return self._onto_circle(jnp.clip(param, -r, r), aux.slack)
+    # Both entries in [-r, r] (a healthy slack is): the pair scaled by 1/r
+    # cannot overflow, and the cheaper fixed scale serves.
+    theta, xi = jnp.clip(param, -r, r), jnp.clip(aux.slack.astype(param.dtype), -r, r)
+    theta = jnp.where(jnp.isinf(param), jnp.nan, theta)  # clipping would hide it
+    return self._onto_circle(theta, xi, 1 / r)
 
-  def _onto_circle(self, theta, xi):
+  def _onto_circle(self, theta, xi, scale=None):
     """Radial projection ``r (theta, xi) / |(theta, xi)|``; ``(0, r)`` at the origin.
 
-    Computed with multiplications only (:func:`~cola_jax._numerics.inverse_sqrt`)
-    rather than ``sqrt`` and a division, which XLA's CPU backend writes to an
-    array of their own and reads back in every consumer. Pairs with
-    ``|(theta, xi)| / r`` below ``sqrt`` of the smallest normal float (about
-    ``1e-19`` in float32), where the square is subnormal (flushed to zero on
-    CPU anyway), count as the origin.
+    Overflow-safe: the pair is first multiplied by ``scale`` (by default a
+    power of two, :func:`~cola_jax._numerics.power_of_two_scale` of
+    ``max(|theta|, |xi|)``, which is exact), so that every finite pair lands
+    on the circle in its own direction, however large (a step of ``-3e38``
+    lands on ``-r``). Pairs whose scaled squared norm is below the smallest
+    normal number count as the origin; a pair with an ``inf`` or NaN gives
+    NaN. Computed with multiplications only
+    (:func:`~cola_jax._numerics.inverse_sqrt`) rather than ``sqrt`` and a
+    division, which XLA's CPU backend writes to an array of their own and
+    reads back in every consumer.
     """
     r = jnp.asarray(self.radius, theta.dtype)
-    z = (theta * theta + xi * xi) * (1 / (r * r))  # |(theta, xi)|^2 / r^2
+    if scale is None:
+      scale = power_of_two_scale(jnp.maximum(jnp.abs(theta), jnp.abs(xi)))
+    theta, xi = theta * scale, xi * scale
+    z = theta * theta + xi * xi
     degenerate = z < jnp.finfo(theta.dtype).tiny
-    xi = jnp.where(degenerate, r, xi)
+    xi = jnp.where(degenerate, jnp.ones_like(xi), xi)
     theta = jnp.where(degenerate, jnp.zeros_like(theta), theta)
-    scale = inverse_sqrt(jnp.where(degenerate, jnp.ones_like(z), z))
-    return theta * scale, xi * scale
+    norm = r * inverse_sqrt(jnp.where(degenerate, jnp.ones_like(z), z))
+    return theta * norm, xi * norm
 
   def unpack(self, point, param):
     theta, xi = point
@@ -133,6 +154,16 @@ class Circle(Constraint):
     return _noise.normal(key, theta.shape, theta.dtype, out_sharding=explicit_sharding(theta))
 
   def a_step(self, point, momentum, h):
-    theta, xi = point
-    sin, cos = sincos(momentum * (h * (1 / jnp.asarray(self.radius, momentum.dtype))))
-    return (cos * theta + sin * xi, cos * xi - sin * theta), momentum
+    """The rotation of ``(theta, xi)`` by the angle ``h v / r``, exact for every finite angle.
+
+    ``sin`` and ``cos`` are reduced exactly for any angle
+    (:func:`~cola_jax._numerics.with_sincos`), so the pair stays on the circle
+    to rounding however large the momentum; ``h = 0`` moves nothing.
+    """
+    angle = momentum * (h * (1 / jnp.asarray(self.radius, momentum.dtype)))
+    return with_sincos(_rotate, angle, *point), momentum
+
+
+def _rotate(sincos, angle, theta, xi):
+  sin, cos = sincos(angle)
+  return cos * theta + sin * xi, cos * xi - sin * theta

@@ -107,7 +107,7 @@ import jax
 import jax.numpy as jnp
 
 from cola_jax import _noise
-from cola_jax._numerics import concrete_float
+from cola_jax._hyperparameters import check_positive, check_positive_integer
 from cola_jax.constraints import _axes
 from cola_jax.constraints.base import Constraint
 
@@ -228,13 +228,8 @@ class Implicit(Constraint):
         raise TypeError(f"Implicit: {name} must be a function x -> array, got {fn!r}.")
     if self.equality is None and self.inequality is None:
       raise ValueError("Implicit: give equality=, inequality= or both.")
-    value = concrete_float(self.tolerance)
-    if value is not None and not value > 0:
-      raise ValueError(f"Implicit: tolerance must be positive, got {self.tolerance!r}.")
-    iterations = concrete_float(self.max_iterations)
-    if iterations is not None and not (iterations >= 1 and iterations == int(iterations)):
-      raise ValueError(
-          f"Implicit: max_iterations must be a positive integer, got {self.max_iterations!r}.")
+    check_positive("Implicit", "tolerance", self.tolerance)
+    check_positive_integer("Implicit", "max_iterations", self.max_iterations)
     object.__setattr__(self, "axis", _axes.normalize("Implicit", "axis", self.axis))
 
   # The constraint function on flat vectors z = (x.ravel(), s.ravel()).
@@ -352,7 +347,7 @@ class Implicit(Constraint):
     """The leaf and slacks; projected from themselves first if ``max |g| > tolerance``."""
     g = self._g(param.shape)
     z = self._pack(param, aux.slack.astype(param.dtype))
-    off = jnp.max(jnp.abs(g(z))) > self.tolerance
+    off = ~(jnp.max(jnp.abs(g(z))) <= self.tolerance)  # NaN too: its projection fails, flagged
 
     # A while loop of at most one iteration rather than lax.cond: under vmap a
     # cond runs both branches for every member, the loop only while one needs it.
@@ -428,7 +423,10 @@ class Implicit(Constraint):
     g = self._g(point.x.shape)
     z_n = self._flat(point)
     q, impulse, k, converged = self._shake(g, z_n, h * momentum, self.quasi_newton)
-    new_momentum = self._cotangent(g, q, momentum + impulse * (1 / h))
+    # At h = 0 nothing moves: no impulse (rather than 0 / 0).
+    moving = h != 0
+    impulse = jnp.where(moving, impulse * (1 / jnp.where(moving, h, 1)), 0)
+    new_momentum = self._cotangent(g, q, momentum + impulse)
     accepted = converged & jnp.all(jnp.isfinite(new_momentum))
     # Rejected: stay at q_n with the momentum reversed.
     q = jnp.where(accepted, q, z_n)

@@ -31,6 +31,14 @@ matrices. A step that does not converge is flagged in the leaf's
 :class:`ProjectionInfo` and finished with the polar projection (the nearest
 orthonormal matrix), so the constraint holds after every update.
 
+Extreme input. Steps of any finite size end on the manifold or flagged: a
+projection that diverges is replaced by the polar factor of the unprojected
+point, computed after an exact power-of-two scaling (``polar(c Q) =
+polar(Q)``), so entries from ``1e-30`` to ``3e38`` are fine. An ``inf`` or NaN
+in the gradient or the parameter gives a leaf of NaN with
+``ProjectionInfo.converged`` False, without calling the SVD (LAPACK's would
+not return). At ``h = 0`` the RATTLE impulse is 0: nothing moves.
+
 The cotangent projection is
 ``Pi_Q P = P - 1/2 Q (P^T Q + Q^T P)``, and the A step is RATTLE: the position
 is projected as above and the momentum is corrected by the same multiplier and
@@ -52,7 +60,8 @@ import jax
 import jax.numpy as jnp
 
 from cola_jax import _noise
-from cola_jax._numerics import concrete_float, explicit_sharding
+from cola_jax._hyperparameters import check_positive, check_positive_integer
+from cola_jax._numerics import explicit_sharding, power_of_two_scale
 from cola_jax.constraints import _axes, stiefel_projection
 from cola_jax.constraints.base import Constraint
 
@@ -108,13 +117,24 @@ def gram_defect(q: jax.Array) -> jax.Array:
 
 
 def polar_factor(q: jax.Array) -> jax.Array:
-  """The nearest matrix with orthonormal columns, ``U V^T`` from ``Q = U S V^T``."""
+  """The nearest matrix with orthonormal columns, ``U V^T`` from ``Q = U S V^T``.
+
+  ``Q`` is scaled by an exact power of two first (``polar(c Q) = polar(Q)``
+  for ``c > 0``), so that the SVD sees entries of order one whatever their
+  size (``1e-30`` to ``3e38``). A ``Q`` with an ``inf`` or NaN entry gives a
+  matrix of NaN without calling the SVD, whose LAPACK iteration would not
+  return on CPU.
+  """
   sharding = jax.typeof(q).sharding
   replicated = stiefel_projection.replicated(q)
   if replicated is not None:  # explicit sharding: the SVD needs the whole matrix
     q = jax.sharding.reshard(q, replicated)
+  finite = jnp.all(jnp.isfinite(q))
+  scale = power_of_two_scale(jnp.max(jnp.abs(q)))
+  # Eye in place of a non-finite matrix: the SVD always gets finite input.
+  q = jnp.where(finite, q * scale, jnp.eye(*q.shape, dtype=q.dtype))
   u, _, vt = jnp.linalg.svd(q, full_matrices=False)
-  polar = jnp.matmul(u, vt, precision=_HIGHEST)
+  polar = jnp.where(finite, jnp.matmul(u, vt, precision=_HIGHEST), jnp.nan)
   return polar if replicated is None else jax.sharding.reshard(polar, sharding)
 
 
@@ -244,17 +264,12 @@ class Orthogonal(Constraint):
   stack_same_shape = True
 
   def __post_init__(self):
-    for name in ("tolerance", "reproject_above"):
-      value = concrete_float(getattr(self, name))
-      if value is not None and not value > 0:
-        raise ValueError(f"Orthogonal: {name} must be positive, got {getattr(self, name)!r}.")
+    check_positive("Orthogonal", "tolerance", self.tolerance)
+    check_positive("Orthogonal", "reproject_above", self.reproject_above)
     if self.projection not in _SOLVERS:
       raise ValueError(
           f"Orthogonal: projection must be one of {tuple(_SOLVERS)}, got {self.projection!r}.")
-    iterations = concrete_float(self.max_iterations)
-    if iterations is not None and not (iterations >= 1 and iterations == int(iterations)):
-      raise ValueError(
-          f"Orthogonal: max_iterations must be a positive integer, got {self.max_iterations!r}.")
+    check_positive_integer("Orthogonal", "max_iterations", self.max_iterations)
     rows = _axes.normalize("Orthogonal", "row_axes", self.row_axes)
     columns = _axes.normalize("Orthogonal", "column_axes", self.column_axes)
     if (rows is None) != (columns is None):
@@ -309,7 +324,9 @@ class Orthogonal(Constraint):
   @_per_matrix()
   def _reproject(self, point):
     q = point.matrix
-    off = jnp.max(jnp.abs(gram_defect(q))) > self.reproject_above
+    # NaN and overflow count as off: the polar factor then shows them as NaN
+    # (non-finite) or puts the parameter on the manifold (finite).
+    off = ~(jnp.max(jnp.abs(gram_defect(q))) <= self.reproject_above)
     return StiefelPoint(_polar_where(q, off), point.info)
 
   def unpack(self, point, param):
@@ -351,6 +368,9 @@ class Orthogonal(Constraint):
     step = h * momentum
     new = self.project(point, step)
     # RATTLE: the momentum takes the same constraint impulse as the position,
-    # (Q_{n+1} - (Q_n + h P)) / h, then is projected onto the new cotangent space.
-    corrected = momentum + (new.matrix - point.matrix - step) / h
+    # (Q_{n+1} - (Q_n + h P)) / h, then is projected onto the new cotangent
+    # space. At h = 0 nothing moves and the impulse is 0.
+    impulse = new.matrix - point.matrix - step
+    moving = h != 0
+    corrected = momentum + jnp.where(moving, impulse * (1 / jnp.where(moving, h, 1)), 0)
     return new, self.cotangent(new, corrected)

@@ -49,6 +49,13 @@ and ``p(h)`` is stored in the frame at ``q(h)``. The overdamped projection is
 the orthogonal (radial) one, ``r q / |q|``; the ambient gradient is ``(g, 0)``
 and the ambient noise independent normals on ``w`` and ``xi``.
 
+Extreme input: norms are taken after an exact power-of-two scaling of each
+unit (of the momentum, in the A step), so units and steps of any finite size
+are projected in their own direction; the great-circle angle is reduced
+exactly (:func:`~cola_jax._numerics.with_sincos`); ``h = 0`` moves nothing;
+an ``inf`` or NaN gives NaN. A gradient within a factor ``n`` of the largest
+float overflows in the projection onto the cotangent space (NaN, visible).
+
 References:
   Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of
   Neural Networks*, OPT2020 (the max-norm constraint, mentioned there and
@@ -65,7 +72,13 @@ import jax
 import jax.numpy as jnp
 
 from cola_jax import _noise
-from cola_jax._numerics import concrete_float, explicit_sharding, inverse_sqrt, sincos
+from cola_jax._hyperparameters import check_positive
+from cola_jax._numerics import (
+  explicit_sharding,
+  inverse_sqrt,
+  power_of_two_scale,
+  with_sincos,
+)
 from cola_jax.constraints.base import Constraint
 
 # Unpack keeps |w_j|^2 <= r^2 (1 - _MARGIN eps) so that norms recomputed in
@@ -146,9 +159,7 @@ class Sphere(Constraint):
   axis: Union[None, int, tuple[int, ...]] = None
 
   def __post_init__(self):
-    r = concrete_float(self.radius)
-    if r is not None and not r > 0:
-      raise ValueError(f"Sphere: radius must be positive, got {self.radius!r}.")
+    check_positive("Sphere", "radius", self.radius)
     axis = _normalize_axis(self.axis)
     if axis is not None and len(set(axis)) != len(axis):
       raise ValueError(f"Sphere: axis {self.axis!r} repeats an axis.")
@@ -183,6 +194,10 @@ class Sphere(Constraint):
 
   # The manifold.
 
+  def _unit_max(self, x):
+    """Per-unit ``max |x_i|``, reduced axes kept with size 1."""
+    return jnp.max(jnp.abs(x), axis=self._axes(x.ndim), keepdims=True)
+
   def init(self, param):
     r = jnp.asarray(self.radius, param.dtype)
     w = self._into_ball(param, r)
@@ -190,27 +205,47 @@ class Sphere(Constraint):
     return SphereState(slack=jnp.sqrt(jnp.maximum(r * r - norm2, 0)), radius=r)
 
   def _into_ball(self, w, r):
-    """Units with ``|w_j| > r`` scaled radially onto ``|w_j| = r``."""
-    norm2 = self._dot(w, w)
-    outside = norm2 > r * r
-    scale = r * inverse_sqrt(jnp.where(outside, norm2, jnp.ones_like(norm2)))
-    return jnp.where(outside, w * scale, w)
+    """Units with ``|w_j| > r`` scaled radially onto ``|w_j| = r``.
+
+    Overflow-safe: each unit is measured after an exact power-of-two scaling
+    (:func:`~cola_jax._numerics.power_of_two_scale` of its largest entry), so
+    units of any finite size are scaled in their own direction; a unit with
+    an ``inf`` or NaN entry becomes NaN.
+    """
+    s = power_of_two_scale(self._unit_max(w))
+    ws = w * s
+    norm2 = self._dot(ws, ws)  # |w_j|^2 s^2, in [1, 16 n) unless w_j is (flushed to) 0
+    inverse_norm = inverse_sqrt(jnp.where(norm2 > 0, norm2, jnp.ones_like(norm2)))
+    # r s may underflow (then w_j is far outside); NaN (inf or NaN in w_j) too.
+    outside = ~((r * s) * inverse_norm >= 1)
+    return jnp.where(outside, ws * (r * inverse_norm), w)
 
   def point(self, param, aux):
     r = jnp.asarray(self.radius, param.dtype)
     # As the circle clips: the slack is kept from the state, then the pair is
-    # normalised, so that rounding in params + updates moves nothing.
-    return self._onto_sphere(self._into_ball(param, r), aux.slack.astype(param.dtype))
+    # normalised, so that rounding in params + updates moves nothing. Both are
+    # bounded by r, so the fixed scale 1/r cannot overflow.
+    xi = jnp.clip(aux.slack.astype(param.dtype), -r, r)
+    return self._onto_sphere(self._into_ball(param, r), xi, 1 / r)
 
-  def _onto_sphere(self, w, xi):
-    """Radial projection ``r (w, xi) / |(w, xi)|`` per unit; ``(0, r)`` at the origin."""
+  def _onto_sphere(self, w, xi, scale=None):
+    """Radial projection ``r (w, xi) / |(w, xi)|`` per unit; ``(0, r)`` at the origin.
+
+    Overflow-safe: each unit is multiplied by ``scale`` first (by default the
+    exact power of two of :func:`~cola_jax._numerics.power_of_two_scale` of
+    its largest entry), so units of any finite size land on the sphere in
+    their own direction; a unit with an ``inf`` or NaN gives NaN.
+    """
     r = jnp.asarray(self.radius, w.dtype)
-    z = (self._dot(w, w) + xi * xi) * (1 / (r * r))  # |(w, xi)|^2 / r^2
+    if scale is None:
+      scale = power_of_two_scale(jnp.maximum(self._unit_max(w), jnp.abs(xi)))
+    w, xi = w * scale, xi * scale
+    z = self._dot(w, w) + xi * xi
     degenerate = z < jnp.finfo(w.dtype).tiny
-    xi = jnp.where(degenerate, r, xi)
+    xi = jnp.where(degenerate, jnp.ones_like(xi), xi)
     w = jnp.where(degenerate, jnp.zeros_like(w), w)
-    scale = inverse_sqrt(jnp.where(degenerate, jnp.ones_like(z), z))
-    return w * scale, xi * scale
+    norm = r * inverse_sqrt(jnp.where(degenerate, jnp.ones_like(z), z))
+    return w * norm, xi * norm
 
   def unpack(self, point, param):
     w, xi = point
@@ -277,17 +312,25 @@ class Sphere(Constraint):
     return self._to_vector(point, momentum)
 
   def a_step(self, point, momentum, h):
+    """The great-circle flow for time ``h``, exact for every finite momentum.
+
+    ``|u|`` is computed after an exact power-of-two scaling (no overflow or
+    underflow of ``|u|^2``) and the angle is reduced exactly
+    (:func:`~cola_jax._numerics.with_sincos`); ``h = 0`` moves nothing.
+    """
     w, xi = point
     r = jnp.asarray(self.radius, w.dtype)
     p_w, p_xi = self._to_vector(point, momentum)
-    speed2 = self._dot(momentum, momentum)  # |p|^2 = |u|^2: the frame is an isometry
-    speed = jnp.sqrt(speed2)
-    phi = speed * (h * (1 / r))
-    sin, cos = sincos(phi)
+    s = power_of_two_scale(self._unit_max(momentum))
+    us = momentum * s
+    speed_s = jnp.sqrt(self._dot(us, us))  # |p| s = |u| s: the frame is an isometry
+    inverse_s = jnp.where(speed_s > 0, 1 / s, jnp.zeros_like(s))  # u = 0: s is huge
+    phi = speed_s * (h * (1 / r)) * inverse_s
+    sin, cos = with_sincos(lambda sincos, phi: sincos(phi), phi)
     moving = phi > 0
     sinc = jnp.where(moving, sin / jnp.where(moving, phi, jnp.ones_like(phi)), jnp.ones_like(phi))
     along = h * sinc  # sin(phi) r / |p|
-    back = speed2 * along * (1 / (r * r))  # sin(phi) |p| / r
+    back = (speed_s * inverse_s) * sin * (1 / r)  # sin(phi) |p| / r
     new_point = (cos * w + along * p_w, cos * xi + along * p_xi)
     new_vector = (cos * p_w - back * w, cos * p_xi - back * xi)
     return new_point, self._coordinates(new_point, new_vector)

@@ -1,0 +1,54 @@
+"""Checks of hyperparameters at construction, with errors that name the argument.
+
+A number known at construction must be a finite real scalar in its range.
+Schedules and traced values (``optax.inject_hyperparams``, ``jit``) cannot be
+checked then; the transforms read a schedule's rounding below zero as zero.
+"""
+
+import math
+from typing import Any, Optional
+
+import jax.numpy as jnp
+
+from cola_jax._numerics import concrete_float
+
+
+def _known(owner: str, name: str, value: Any) -> Optional[float]:
+  """The value as a float when known now (None for schedules and traced values)."""
+  if callable(value):
+    return None
+  if value is None or isinstance(value, (str, bytes, bool)):
+    raise TypeError(f"{owner}: {name} must be a number, got {value!r}.")
+  try:
+    dtype = jnp.result_type(value)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(
+      dtype, jnp.complexfloating):
+    raise TypeError(f"{owner}: {name} must be a real number, got {value!r}.")
+  if jnp.ndim(value) != 0:
+    raise ValueError(f"{owner}: {name} must be a scalar, got shape {jnp.shape(value)}.")
+  return concrete_float(value)
+
+
+def check_positive(owner: str, name: str, value: Any) -> None:
+  """Raises unless ``value`` is a schedule, traced, or a finite number ``> 0``."""
+  x = _known(owner, name, value)
+  if x is not None and not (math.isfinite(x) and x > 0):
+    raise ValueError(f"{owner}: {name} must be positive and finite, got {value!r}.")
+
+
+def check_nonnegative(owner: str, name: str, value: Any) -> None:
+  """Raises unless ``value`` is a schedule, traced, or a finite number ``>= 0``."""
+  x = _known(owner, name, value)
+  if x is not None and not (math.isfinite(x) and x >= 0):
+    raise ValueError(f"{owner}: {name} must be non-negative and finite, got {value!r}.")
+
+
+def check_positive_integer(owner: str, name: str, value: Any) -> None:
+  """Raises unless ``value`` is traced or a whole number ``>= 1``."""
+  if callable(value):
+    raise TypeError(f"{owner}: {name} must be a number, not a schedule.")
+  x = _known(owner, name, value)
+  if x is not None and not (math.isfinite(x) and x >= 1 and x == int(x)):
+    raise ValueError(f"{owner}: {name} must be a positive integer, got {value!r}.")

@@ -1,0 +1,338 @@
+"""The geometry under extreme inputs: no hang, no silent wrong number.
+
+Non-finite gradients and parameters, finite steps of any size (1e-30 to
+3.4e38), rotation angles up to the largest float32, a step size of exactly 0,
+and leaves of every float dtype. Each update must return, and end on the
+manifold to the dtype's tolerance, or be flagged, or show its NaN.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import cola_jax as cola
+from cola_jax import _numerics, langevin
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _unit_norm(w):
+  return jnp.atleast_1d(jnp.sum(w**2) / 4 - 1)
+
+
+ORTHONORMAL = np.linalg.qr(np.random.default_rng(0).normal(size=(6, 4)))[0].astype(np.float32)
+
+# name -> (constraint, a starting parameter on its manifold)
+CONSTRAINTS = {
+    "circle": (cola.Circle(0.5), 0.2 * ORTHONORMAL),
+    "sphere": (cola.Sphere(1.5), 0.5 * ORTHONORMAL),
+    "orthogonal": (cola.Orthogonal(), ORTHONORMAL),
+    "implicit": (cola.Implicit(equality=_unit_norm), ORTHONORMAL),
+}
+# The other solvers of the same constraints.
+SOLVERS = {
+    "orthogonal-newton": (cola.Orthogonal(projection="newton"), ORTHONORMAL),
+    "orthogonal-square_root": (cola.Orthogonal(projection="square_root"), ORTHONORMAL),
+    "implicit-quasi_newton": (cola.Implicit(equality=_unit_norm, quasi_newton=True), ORTHONORMAL),
+}
+FLAGGED = ("orthogonal", "implicit")  # constraints whose state says whether a step converged
+
+
+def _transform(method, constraint, learning_rate=0.1):
+  if method == "od":
+    return cola.cola_od(learning_rate, constraints={"w": constraint})
+  return cola.cola_ud(learning_rate, friction=1.0, constraints={"w": constraint})
+
+
+def _run(tx, param, grad, steps=2):
+  params = {"w": jnp.asarray(param)}
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for _ in range(steps):
+    updates, state = update({"w": jnp.asarray(grad)}, state, params)
+    params = optax.apply_updates(params, updates)
+  return params["w"], state
+
+
+def _converged(state):
+  aux = state.constraint_states["w"]
+  return bool(aux.converged) if hasattr(aux, "converged") else True
+
+
+# --------------------------------------------------------------------------------------
+# Sine and cosine of any float32 angle
+
+
+def _all_exponents(n, seed=0):
+  """Float32 angles with random bits, every exponent from subnormal to 3.4e38, both signs."""
+  bits = np.random.default_rng(seed).integers(0, 0x7F800000, size=n, dtype=np.int64)
+  x = bits.astype(np.uint32).view(np.float32)
+  return np.concatenate([x, -x])
+
+
+@pytest.mark.parametrize("fn", ["sincos", "with_sincos"])
+def test_sincos_is_exact_for_every_finite_float32_angle(fn):
+  special = np.float32([1e-30, 1e-7, 1.0, 8191.999, 8192.0, 1e7, 1e8, 1e20, 1e30, 3.4e38, F32_MAX])
+  x = np.concatenate([_all_exponents(100_000), special, -special])
+  if fn == "sincos":
+    sin, cos = jax.jit(_numerics.sincos)(x)
+  else:
+    sin, cos = jax.jit(lambda x: _numerics.with_sincos(lambda sincos, x: sincos(x), x))(x)
+  sin, cos = np.asarray(sin, np.float64), np.asarray(cos, np.float64)
+  x64 = x.astype(np.float64)  # numpy's float64 sin and cos reduce exactly
+  assert np.max(np.abs(sin - np.sin(x64))) <= 1.2e-7
+  assert np.max(np.abs(cos - np.cos(x64))) <= 1.2e-7
+  assert np.max(np.abs(sin * sin + cos * cos - 1)) <= 2.5e-7
+  normal = (np.abs(x) >= np.finfo(np.float32).tiny) & (np.abs(x) < 1e-3)  # relative accuracy
+  np.testing.assert_allclose(sin[normal], np.sin(x64[normal]), rtol=1.2e-7)
+
+
+def test_sincos_of_inf_and_nan_is_nan():
+  sin, cos = jax.jit(_numerics.sincos)(np.float32([np.inf, -np.inf, np.nan]))
+  assert np.all(np.isnan(sin)) and np.all(np.isnan(cos))
+
+
+def test_with_sincos_takes_the_fast_path_only_where_it_is_exact():
+  small = np.float32([0.5, -3.0, 8191.0])
+  fast = jax.jit(lambda x: _numerics.with_sincos(lambda sincos, x: sincos(x), x))(small)
+  np.testing.assert_array_equal(fast, _numerics.sincos_fast(jnp.asarray(small)))
+  large = np.float32([0.5, 1e20])
+  exact = jax.jit(lambda x: _numerics.with_sincos(lambda sincos, x: sincos(x), x))(large)
+  np.testing.assert_allclose(exact[0], np.sin(large.astype(np.float64)), atol=1.2e-7)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_power_of_two_scale_is_exact_and_brings_every_size_to_order_one(dtype):
+  with jax.enable_x64(dtype == np.float64):
+    info = np.finfo(dtype)
+    rng = np.random.default_rng(0)
+    m = np.ldexp(rng.uniform(1, 2, 2000), rng.integers(info.minexp, info.maxexp, 2000))
+    m = np.concatenate([m, [info.tiny, info.max, 1.0]]).astype(dtype)
+    scale = np.asarray(_numerics.power_of_two_scale(jnp.asarray(m)))
+    assert scale.dtype == dtype
+    mantissa, _ = np.frexp(scale)
+    np.testing.assert_array_equal(mantissa, 0.5)  # a power of two: the product is exact
+    assert np.all((m * scale >= 1) & (m * scale < 4))
+    special = np.asarray(_numerics.power_of_two_scale(jnp.asarray([0.0, np.inf, np.nan], dtype)))
+    assert np.isfinite(special[0]) and np.all(np.isnan(special[1:]))
+
+
+# --------------------------------------------------------------------------------------
+# Non-finite input: the step returns, and shows its NaN or is flagged
+
+
+_HANG_PRONE = textwrap.dedent("""
+    import json, numpy as np, jax, jax.numpy as jnp, optax, cola_jax as cola
+    w = jnp.asarray(np.linalg.qr(np.random.default_rng(0).normal(size=(6, 4)))[0], jnp.float32)
+    out = {}
+    for projection in ("quasi_newton", "newton", "square_root"):
+      c = cola.Orthogonal(projection=projection)
+      for method in ("od", "ud"):
+        tx = (cola.cola_od(0.1, constraints=c) if method == "od"
+              else cola.cola_ud(0.1, friction=1.0, constraints=c))
+        for where, value in (("grad", np.inf), ("grad", np.nan), ("param", np.inf)):
+          p = {"w": w.at[0, 0].set(value) if where == "param" else w}
+          g = {"w": w.at[0, 0].set(value) if where == "grad" else w}
+          u, s = jax.jit(tx.update)(g, tx.init(p), p)
+          new = optax.apply_updates(p, u)["w"]
+          out[f"{projection} {method} {where} {value}"] = [
+              bool(jnp.any(jnp.isnan(new))), bool(s.constraint_states["w"].converged)]
+    projected = cola.project_params({"w": w.at[0, 0].set(np.inf)}, cola.Orthogonal())["w"]
+    out["project_params inf"] = [bool(jnp.all(jnp.isnan(projected))), False]
+    print(json.dumps(out))
+""")
+
+
+def test_non_finite_orthogonal_input_returns_nan_and_flagged():
+  # An SVD of a non-finite matrix never returns on CPU: run in a subprocess
+  # with a timeout, so that a regression fails instead of hanging the suite.
+  env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+  done = subprocess.run([sys.executable, "-c", _HANG_PRONE], capture_output=True, text=True,
+                        timeout=600, env=env, check=False)
+  assert done.returncode == 0, done.stderr
+  results = json.loads(done.stdout.strip().splitlines()[-1])
+  assert len(results) == 3 * 2 * 3 + 1
+  for case, (nan_shown, converged) in results.items():
+    assert nan_shown and not converged, case
+
+
+@pytest.mark.parametrize("name", ["circle", "sphere", "implicit"])
+@pytest.mark.parametrize("method", ["od", "ud"])
+@pytest.mark.parametrize("where, value", [("grad", np.inf), ("grad", np.nan),
+                                          ("param", np.inf), ("param", np.nan)])
+def test_non_finite_input_shows_or_is_flagged(name, method, where, value):
+  constraint, param = CONSTRAINTS[name]
+  grad = np.full_like(param, 0.1)
+  if where == "grad":
+    grad[0, 0] = value
+  else:
+    param = param.copy()
+    param[0, 0] = value
+  new, state = _run(_transform(method, constraint), param, grad)
+  residual = float(state.constraint_states["w"].residual(new))
+  shown = bool(jnp.any(jnp.isnan(new))) or not np.isfinite(residual)
+  assert shown or not _converged(state)
+  if not shown:  # rejected (Implicit): still on the manifold
+    assert residual <= 1e-6
+
+
+@pytest.mark.parametrize("name", ["circle", "sphere"])
+@pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan])
+def test_project_params_shows_a_non_finite_entry(name, value):
+  constraint, param = CONSTRAINTS[name]
+  bad = jnp.asarray(param).at[0, 0].set(value)
+  projected = cola.project_params({"w": bad}, {"w": constraint})["w"]
+  assert np.isnan(projected[0, 0])
+  np.testing.assert_allclose(projected[1:, 1:], bad[1:, 1:], rtol=1e-6)  # others unchanged
+
+
+def test_implicit_nearest_raises_for_a_non_finite_parameter():
+  constraint, param = CONSTRAINTS["implicit"]
+  with pytest.raises(ValueError, match="could not be projected"):
+    constraint.nearest(jnp.asarray(param).at[0, 0].set(np.nan))
+
+
+# --------------------------------------------------------------------------------------
+# Finite input of any size: on the manifold, or flagged
+
+
+@pytest.mark.parametrize("name", sorted({**CONSTRAINTS, **SOLVERS}))
+@pytest.mark.parametrize("method", ["od", "ud"])
+def test_finite_gradients_of_any_size_end_on_the_manifold_or_flagged(name, method):
+  constraint, param = {**CONSTRAINTS, **SOLVERS}[name]
+  tx = _transform(method, constraint)
+  for size in (1e-30, 1e-7, 1e8, 1e30):
+    _check_finite_gradient(tx, param, size)
+
+
+def _check_finite_gradient(tx, param, size):
+  grad = size * np.sign(np.random.default_rng(1).normal(size=param.shape)).astype(np.float32)
+  new, state = _run(tx, param, grad, steps=3)
+  assert new.shape == param.shape and new.dtype == param.dtype
+  # On the manifold (a rejected Implicit step stays where it was); a step
+  # whose projection did not converge is flagged and finished by the polar factor.
+  assert float(state.constraint_states["w"].residual(new)) <= 1e-6, size
+  if size <= 1e-7:
+    assert _converged(state), size
+
+
+@pytest.mark.parametrize("name", ["circle", "sphere", "orthogonal"])
+@pytest.mark.parametrize("size", [1e-30, 1e30, F32_MAX])
+def test_parameters_of_any_finite_size_are_moved_onto_the_manifold(name, size):
+  # The constraint's own point (params + updates cannot carry a move from 1e30
+  # to 0.5 in float32: the difference rounds to -1e30).
+  constraint, param = CONSTRAINTS[name]
+  param = jnp.asarray(param).at[0, 0].set(size)
+  point = jax.jit(lambda p: constraint.point(p, constraint.init(p)))(param)
+  new, aux = constraint.unpack(point, param)
+  assert float(aux.residual(new)) <= 1e-6
+  nearest = cola.project_params({"w": param}, {"w": constraint})["w"]
+  assert float(constraint.init(nearest).residual(nearest)) <= 1e-6
+
+
+@pytest.mark.parametrize("step", [1e19, 1e20, 1e30, F32_MAX])
+def test_circle_overdamped_huge_step_lands_on_the_side_it_points_to(step):
+  r = 0.05
+  c = cola.Circle(r)
+  theta = jnp.float32([0.01, -0.02, 0.0, 0.049])
+  point = c.point(theta, c.init(theta))
+  for sign in (1.0, -1.0):
+    # h g = sign * step: the weight moves towards -sign * infinity.
+    grad = jnp.full(4, sign * step, jnp.float32)
+    new = jax.jit(lambda p, g: langevin.overdamped_step(c, p, g, 1.0))(point, grad)
+    weight, state = c.unpack(new, theta)
+    np.testing.assert_allclose(weight, np.full(4, -sign * r), rtol=2 * np.finfo(np.float32).eps)
+    assert np.all(np.isfinite(state.slack)) and np.all(np.abs(state.slack) <= 1e-6 * r)
+
+
+@pytest.mark.parametrize("name", ["circle", "sphere"])
+@pytest.mark.parametrize("size", [1e7, 1e8, 1e20, 1e30])
+def test_underdamped_large_angles_keep_the_radius(name, size):
+  # h = 0.3, r = 0.05: rotation angles of 6e7 to 6e30 radians.
+  constraint = cola.Circle(0.05) if name == "circle" else cola.Sphere(0.05)
+  param = np.full((3, 2), 0.01, np.float32)
+  grad = np.full_like(param, size)
+  grad[0] = -size
+  new, state = _run(_transform("ud", constraint, learning_rate=0.3), param, grad, steps=3)
+  assert float(state.constraint_states["w"].residual(new)) <= 1e-6
+
+
+def test_circle_a_step_turns_by_the_exactly_reduced_angle():
+  r, h = 0.5, 1.0
+  c = cola.Circle(r)
+  theta = jnp.zeros(5, jnp.float32)  # the point (0, r): angle pi/2
+  point = c.point(theta, c.init(theta))
+  v = jnp.float32([1e5, 3e9, -7e19, 1e30, 1.7e38])
+  (new_theta, new_xi), _ = jax.jit(lambda p, v: c.a_step(p, v, h))(point, v)
+  angle = np.asarray(v * np.float32(h / r), np.float64)  # the float32 angle, reduced in float64
+  assert np.all(np.isfinite(angle))
+  np.testing.assert_allclose(new_theta, r * np.sin(angle), atol=2e-7)
+  np.testing.assert_allclose(new_xi, r * np.cos(angle), atol=2e-7)
+
+
+# --------------------------------------------------------------------------------------
+# A step size of exactly 0 (the end of optax.cosine_decay_schedule)
+
+
+@pytest.mark.parametrize("name", sorted(CONSTRAINTS))
+@pytest.mark.parametrize("method", ["od", "ud-OBA", "ud-BAOAB"])
+def test_zero_step_size_moves_nothing(name, method):
+  constraint, param = CONSTRAINTS[name]
+  schedule = optax.cosine_decay_schedule(0.1, decay_steps=2)  # 0.1, 0.05, then exactly 0
+  assert float(schedule(2)) == 0.0
+  if method == "od":
+    tx = cola.cola_od(schedule, constraints={"w": constraint})
+  else:
+    tx = cola.cola_ud(schedule, friction=1.0, constraints={"w": constraint},
+                      splitting=method.split("-")[1])
+  params = {"w": jnp.asarray(param)}
+  state = tx.init(params)
+  grads = {"w": jnp.full_like(params["w"], 0.3)}
+  update = jax.jit(tx.update)
+  for _ in range(2):
+    updates, state = update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  before, momentum_before = params["w"], getattr(state, "momentum", None)
+  for _ in range(2):  # h = 0
+    updates, state = update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  r = float(jnp.max(jnp.abs(before)))
+  np.testing.assert_allclose(params["w"], before, rtol=0, atol=4 * np.finfo(np.float32).eps * r)
+  assert _converged(state)
+  assert float(state.constraint_states["w"].residual(params["w"])) <= 1e-6
+  if momentum_before is not None:
+    momentum = state.momentum["w"]
+    assert np.all(np.isfinite(momentum))
+    np.testing.assert_allclose(momentum, momentum_before["w"], rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------
+# Leaves of every float dtype
+
+
+DTYPES = [jnp.float16, jnp.bfloat16, jnp.float64]  # float32: every other test
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("name", ["circle", "sphere", "orthogonal", "implicit"])
+@pytest.mark.parametrize("method", ["od", "ud"])
+def test_every_float_dtype_keeps_shape_dtype_and_constraint(dtype, name, method):
+  constraint, param = CONSTRAINTS[name]
+  with jax.enable_x64(dtype == jnp.float64):
+    param = jnp.asarray(param, dtype)
+    grad = jnp.asarray(np.random.default_rng(2).normal(size=param.shape), dtype)
+    new, state = _run(_transform(method, constraint), param, grad, steps=3)
+    assert new.shape == param.shape and new.dtype == param.dtype
+    assert _converged(state)
+    # The leaf is stored in its dtype: the constraint holds to its rounding.
+    eps = float(jnp.finfo(dtype).eps)
+    tolerance = max(8 * eps, 2e-6) if dtype != jnp.float64 else 1e-6
+    assert float(state.constraint_states["w"].residual(new)) <= tolerance

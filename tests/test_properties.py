@@ -1,0 +1,180 @@
+"""Generated inputs: every method keeps shapes and dtypes and ends on the manifold, or says it did not.
+
+For every constraint of the registry, both dynamics and both splittings,
+hypothesis draws a leaf (zero-size, wide, tall, N-d kernels), a dtype
+(float16, bfloat16, float32, float64), hyperparameters and gradients from
+1e-30 to 1e30, inf and NaN. After two updates each leaf must keep its shape and
+dtype and be on its manifold to the dtype's tolerance, or the step is flagged
+(``ProjectionInfo.converged`` / ``ImplicitState.converged`` False), or a NaN
+shows in the parameter or its residual.
+
+Profiles: ``quick`` (the default, few derandomized examples; compilation
+dominates, so each method and constraint compiles once, for one tree with a
+leaf of every kind and dtype, and hypothesis draws the values: hyperparameters
+are traced arguments) and ``long`` (``pytest -m slow``: the leaves' shapes and
+dtypes are drawn too).
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cola_jax as cola
+
+
+def _unit_norm(w):
+  return jnp.sum(w * w) - 1.0
+
+
+_IMPLICIT_UNIT_NORM = cola.Implicit(equality=_unit_norm)  # defined once: equal across updates
+
+# The constraints under test, one line each: name -> (factory, which leaf shapes it takes).
+CONSTRAINTS = {
+    "free": (lambda: None, lambda shape: True),
+    "circle": (lambda: cola.Circle(0.5), lambda shape: True),
+    "sphere": (lambda: cola.Sphere(1.0), lambda shape: True),
+    "orthogonal": (lambda: cola.Orthogonal(), lambda shape: len(shape) >= 2),
+    "implicit": (lambda: _IMPLICIT_UNIT_NORM, lambda shape: math.prod(shape) >= 2),
+}
+
+# Dynamics: name -> transform from (learning_rate, temperature, friction, constraint, key).
+METHODS = {
+    "cola_od": lambda h, tau, gamma, c, key: cola.cola_od(h, constraints=c, temperature=tau, key=key),
+    "cola_ud_oba": lambda h, tau, gamma, c, key: cola.cola_ud(
+        h, friction=gamma, constraints=c, temperature=tau, key=key, splitting="OBA"),
+    "cola_ud_baoab": lambda h, tau, gamma, c, key: cola.cola_ud(
+        h, friction=gamma, constraints=c, temperature=tau, key=key, splitting="BAOAB"),
+}
+
+SHAPES = [(), (5,), (0, 3), (3, 0), (1, 1), (6, 2), (2, 5), (4, 4), (2, 2, 3), (3, 3, 2, 4)]
+# The quick profile's tree: tall, wide, N-d, square, zero-size and vector leaves.
+QUICK_SHAPES = [(6, 2), (2, 5), (2, 2, 3), (3, 3), (0, 3), (5,)]
+DTYPES = ["float32", "float16", "bfloat16", "float64"]
+# Gradient scales, and the special values that may replace one entry.
+SCALES = [1e-30, 1e-10, 1e-3, 1.0, 1e3, 1e10, 1e19, 1e30]
+SPECIALS = [None, 0.0, float("inf"), -float("inf"), float("nan")]
+
+# Tolerance on the residual after an update, by parameter dtype: a leaf is
+# stored in its own dtype, so its rounding (relative eps) bounds what the
+# residual can show, a few times over.
+TOLERANCE = {"float16": 8e-3, "bfloat16": 6e-2, "float32": 2e-5, "float64": 2e-5}
+
+settings.register_profile(
+    "quick", max_examples=10, derandomize=True, database=None, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "long", max_examples=200, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow])
+
+
+def fixed_layout(constraint_name):
+  """The quick shapes the constraint takes, the dtypes in turn: one compilation covers them all."""
+  shapes = [s for s in QUICK_SHAPES if CONSTRAINTS[constraint_name][1](s)]
+  return tuple((shape, DTYPES[i % len(DTYPES)]) for i, shape in enumerate(shapes))
+
+
+def drawn_layouts(constraint_name):
+  shapes = [s for s in SHAPES if CONSTRAINTS[constraint_name][1](s)]
+  leaf = st.tuples(st.sampled_from(shapes), st.sampled_from(DTYPES))
+  return st.lists(leaf, min_size=1, max_size=3).map(tuple)
+
+
+@st.composite
+def problems(draw, layouts):
+  layout = draw(layouts)
+  return dict(
+      layout=layout,
+      seed=draw(st.integers(0, 2**16)),
+      scales=[draw(st.sampled_from(SCALES)) for _ in layout],
+      specials=[draw(st.sampled_from(SPECIALS)) for _ in layout],
+      h=draw(st.sampled_from([1e-4, 1e-2, 0.1, 0.3, 1.0])),
+      tau=draw(st.sampled_from([0.0, 1e-6, 1e-3, 1.0])),
+      gamma=draw(st.sampled_from([0.0, 0.1, 1.0, 10.0])))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_steps(method, constraint_name, layout, x64):
+  """Two updates as one compiled function of (params, grads, h, tau, gamma, key)."""
+  del layout, x64  # part of the cache key: jit compiles per shape and dtype anyway
+  constraint = CONSTRAINTS[constraint_name][0]()
+
+  def run(params, grads, h, tau, gamma, key):
+    constraints = {name: (None if name == "b" else constraint) for name in params}
+    tx = METHODS[method](h, tau, gamma, constraints, key)
+
+    def step(carry, _):
+      params, state = carry
+      updates, state = tx.update(grads, state, params)
+      return (optax.apply_updates(params, updates), state), (updates, state)
+
+    # A scan compiles the update once for both steps.
+    (params, state), (updates, states) = jax.lax.scan(step, (params, tx.init(params)), length=2)
+    return params, updates, states, cola.constraint_residuals(params, state)
+
+  return jax.jit(run)
+
+
+def _flagged(states, name) -> bool:
+  converged = getattr(states.constraint_states[name], "converged", None)  # one per step
+  return converged is not None and not bool(jnp.all(converged))
+
+
+def check_method(method, constraint_name, problem):
+  rng = np.random.default_rng(problem["seed"])
+  params, grads = {"b": jnp.zeros(3)}, {"b": jnp.ones(3)}
+  for i, ((shape, dtype), scale, special) in enumerate(
+      zip(problem["layout"], problem["scales"], problem["specials"])):
+    grad = np.sign(rng.standard_normal(shape)) * scale
+    if special is not None and grad.size:
+      grad.flat[rng.integers(grad.size)] = special
+    params[f"w{i}"] = jnp.asarray(0.3 * rng.standard_normal(shape), dtype)
+    with np.errstate(over="ignore"):  # 1e30 is inf in float16: meant
+      grads[f"w{i}"] = jnp.asarray(grad, dtype)
+  step = _compiled_steps(method, constraint_name, problem["layout"], jax.config.jax_enable_x64)
+  new, updates, states, residuals = step(
+      params, grads, problem["h"], problem["tau"], problem["gamma"], jax.random.key(problem["seed"]))
+
+  shapes = jax.tree.map(lambda p: (p.shape, p.dtype), params)
+  assert jax.tree.map(lambda u: (u.shape[1:], u.dtype), updates) == shapes  # both steps' updates
+  assert jax.tree.map(lambda p: (p.shape, p.dtype), new) == shapes
+  for i, (shape, dtype) in enumerate(problem["layout"]):
+    name, residual = f"w{i}", residuals[f"w{i}"]
+    if residual is None:  # a free leaf, or one without entries
+      continue
+    visible_nan = not (bool(jnp.all(jnp.isfinite(new[name]))) and math.isfinite(float(residual)))
+    on_manifold = float(residual) <= TOLERANCE[dtype]
+    assert on_manifold or _flagged(states, name) or visible_nan, (
+        f"{method} with {constraint_name}: residual {float(residual):.3g} after a silent step "
+        f"(leaf {shape} {dtype}, h={problem['h']}, tau={problem['tau']}, gamma={problem['gamma']}, "
+        f"|grad| = {problem['scales'][i]:.3g}, special entry {problem['specials'][i]})")
+
+
+def _test(method, constraint_name, data, layouts):
+  problem = data.draw(problems(layouts))
+  with jax.enable_x64(any(dtype == "float64" for _, dtype in problem["layout"])):
+    check_method(method, constraint_name, problem)
+
+
+CASES = [pytest.param(m, c, id=f"{m}-{c}") for m in METHODS for c in CONSTRAINTS]
+
+
+@pytest.mark.parametrize("method, constraint_name", CASES)
+@settings(settings.get_profile("quick"))
+@given(data=st.data())
+def test_update_keeps_shapes_and_the_manifold_or_flags(method, constraint_name, data):
+  _test(method, constraint_name, data, st.just(fixed_layout(constraint_name)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, constraint_name", CASES)
+@settings(settings.get_profile("long"))
+@given(data=st.data())
+def test_update_keeps_shapes_and_the_manifold_or_flags_long(method, constraint_name, data):
+  _test(method, constraint_name, data, drawn_layouts(constraint_name))

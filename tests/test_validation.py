@@ -1,0 +1,299 @@
+"""Bad input: hyperparameters, trees that do not fit, states of other parameters.
+
+Each case gets what ``optax.sgd`` does with it (empty trees and zero-size
+leaves pass) or an error that names the argument and the leaf's path.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import cola_jax as cola
+
+INF, NAN = float("inf"), float("nan")
+
+# Every transform and alias, built with keyword overrides of its hyperparameters.
+FACTORIES = {
+    "cola_od": lambda **kw: cola.cola_od(kw.pop("learning_rate", 0.1), **kw),
+    "cola_ud": lambda **kw: cola.cola_ud(kw.pop("learning_rate", 0.1), friction=kw.pop("friction", 1.0), **kw),
+    "c_cola_od": lambda **kw: cola.c_cola_od(kw.pop("learning_rate", 0.1), radius=kw.pop("radius", 0.1), **kw),
+    "c_cola_ud": lambda **kw: cola.c_cola_ud(
+        kw.pop("learning_rate", 0.1), friction=kw.pop("friction", 1.0), radius=kw.pop("radius", 0.1), **kw),
+    "o_cola_od": lambda **kw: cola.o_cola_od(kw.pop("learning_rate", 0.1), **kw),
+    "o_cola_ud": lambda **kw: cola.o_cola_ud(kw.pop("learning_rate", 0.1), friction=kw.pop("friction", 1.0), **kw),
+}
+UNDERDAMPED = ("cola_ud", "c_cola_ud", "o_cola_ud")
+ORTHOGONAL = ("o_cola_od", "o_cola_ud")
+
+
+def _cases(argument, values, owners):
+  return [pytest.param(owner, argument, v, id=f"{owner}-{argument}={v!r}") for owner in owners for v in values]
+
+
+HYPERPARAMETER_CASES = (
+    _cases("learning_rate", [INF, -INF, NAN, 0.0, -0.1, 1e400], FACTORIES)
+    + _cases("temperature", [INF, NAN, -1e-3], FACTORIES)
+    + _cases("friction", [INF, NAN, -1.0], UNDERDAMPED)
+    + _cases("radius", [INF, NAN, 0.0, -1.0], ("c_cola_od", "c_cola_ud"))
+    + _cases("tolerance", [INF, NAN, 0.0], ORTHOGONAL)
+    + _cases("max_iterations", [INF, NAN, 0, 2.5, -3], ORTHOGONAL)
+)
+
+
+@pytest.mark.parametrize("owner, argument, value", HYPERPARAMETER_CASES)
+def test_every_transform_refuses_a_bad_number_at_construction(owner, argument, value):
+  key = jax.random.key(0) if argument == "temperature" else None
+  extra = {} if key is None else {"key": key}
+  with pytest.raises(ValueError, match=rf"{argument} must be (positive|non-negative|a positive integer)"):
+    FACTORIES[owner](**{argument: value}, **extra)
+
+
+CONSTRAINT_CASES = [
+    (lambda v: cola.Circle(v), "Circle: radius", [INF, NAN, 0.0, -1.0]),
+    (lambda v: cola.Sphere(v), "Sphere: radius", [INF, NAN, 0.0]),
+    (lambda v: cola.Orthogonal(tolerance=v), "Orthogonal: tolerance", [INF, NAN, 0.0]),
+    (lambda v: cola.Orthogonal(reproject_above=v), "Orthogonal: reproject_above", [INF, NAN, -1.0]),
+    (lambda v: cola.Orthogonal(max_iterations=v), "Orthogonal: max_iterations", [INF, -INF, NAN, 0, 1.5]),
+    (lambda v: cola.Implicit(equality=jnp.sum, tolerance=v), "Implicit: tolerance", [INF, NAN, 0.0]),
+    (lambda v: cola.Implicit(equality=jnp.sum, max_iterations=v), "Implicit: max_iterations", [INF, NAN, 0]),
+]
+
+
+@pytest.mark.parametrize(
+    "make, message, value",
+    [pytest.param(make, message, v, id=f"{message}={v!r}") for make, message, vs in CONSTRAINT_CASES for v in vs])
+def test_every_constraint_refuses_a_bad_number_at_construction(make, message, value):
+  with pytest.raises(ValueError, match=message):
+    make(value)
+
+
+def test_hyperparameters_that_are_not_real_scalars_are_type_or_value_errors():
+  with pytest.raises(TypeError, match="cola_od: learning_rate must be a number, got '0.1'"):
+    cola.cola_od("0.1")
+  with pytest.raises(TypeError, match="cola_ud: friction must be a number, got None"):
+    cola.cola_ud(0.1, friction=None)
+  with pytest.raises(TypeError, match="learning_rate must be a real number"):
+    cola.cola_od(0.1 + 0.1j)
+  with pytest.raises(ValueError, match=re.escape("learning_rate must be a scalar, got shape (2,)")):
+    cola.cola_od(jnp.array([0.1, 0.2]))
+  with pytest.raises(TypeError, match="max_iterations must be a number, not a schedule"):
+    cola.Orthogonal(max_iterations=lambda count: 20)
+
+
+def test_radius_tree_is_checked_at_construction_naming_its_path():
+  with pytest.raises(ValueError, match=re.escape("c_cola_ud: radius['b']['w'] must be positive and finite, got inf")):
+    cola.c_cola_ud(0.1, friction=1.0, radius={"a": 0.1, "b": {"w": INF}})
+
+
+def test_sgd_momentum_maps_refuse_infinite_numbers():
+  with pytest.raises(ValueError, match="learning_rate"):
+    cola.sgd_momentum_to_langevin(INF, 0.9)
+  with pytest.raises(ValueError, match="friction"):
+    cola.langevin_to_sgd_momentum(0.1, INF)
+
+
+def test_traced_hyperparameters_pass_construction():
+  """Under jit (and inject_hyperparams) values are unknown: checked where they are known."""
+
+  def first_update(lr, radius, params):
+    tx = cola.c_cola_od(lr, radius=radius)
+    return tx.update(params, tx.init(params), params)[0]
+
+  params = {"w": jnp.full((2, 2), 0.05)}
+  np.testing.assert_allclose(
+      jax.jit(first_update)(0.1, 0.1, params)["w"], first_update(0.1, 0.1, params)["w"], rtol=1e-6)
+
+
+# Schedules that reach or cross zero.
+
+
+@pytest.mark.parametrize("owner", FACTORIES)
+def test_schedule_ending_at_zero_or_rounding_below_it_moves_nothing(owner):
+  """A learning rate of 0 (cosine decay's end) or just below (linear_schedule's rounding) moves nothing."""
+  params = {"w": jnp.linspace(-0.3, 0.3, 6).reshape(3, 2) * 0.2, "b": jnp.ones(2)}
+  for value in (0.0, -1.5e-9):
+    schedule = lambda count, value=value: jnp.where(count < 1, 0.05, value)  # noqa: E731
+    tx = FACTORIES[owner](learning_rate=schedule, temperature=lambda count: jnp.asarray(1e-3),
+                          key=jax.random.key(0))
+    state = tx.init(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+
+    @jax.jit
+    def step(params, state):
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    params_1, state = step(params, state)  # h = 0.05: moves
+    params_2, state = step(params_1, state)  # h = value: moves nothing
+    params_3, _ = step(params_2, state)  # nor does it leave a NaN momentum behind
+    for leaf_1, leaf_3 in zip(jax.tree.leaves(params_1), jax.tree.leaves(params_3)):
+      assert np.all(np.isfinite(leaf_3)), (owner, value)
+      np.testing.assert_allclose(leaf_3, leaf_1, atol=2e-6, err_msg=f"{owner} h={value}")
+
+
+def test_inject_hyperparams_accepts_a_schedule_value_of_zero():
+  """inject_hyperparams passes a schedule's value as an array: zero is valid there."""
+  params = {"w": jnp.full((3, 2), 0.05)}
+  tx = optax.inject_hyperparams(cola.c_cola_od)(
+      learning_rate=optax.cosine_decay_schedule(0.1, 1), radius=0.1)
+  state = tx.init(params)
+  grads = jax.tree.map(jnp.ones_like, params)
+  _, state = tx.update(grads, state, params)
+  updates, _ = tx.update(grads, state, params)  # eagerly, at h = 0 exactly
+  np.testing.assert_array_equal(updates["w"], jnp.zeros((3, 2)))
+
+
+# Trees that do not fit.
+
+
+PARAMS = {"dense": {"kernel": jnp.full((3, 2), 0.05), "bias": jnp.zeros(2)}}
+
+
+@pytest.mark.parametrize("owner", FACTORIES)
+@pytest.mark.parametrize("shape", [(2, 3), (), (1, 2), (3, 2, 1), (6,)])
+def test_gradient_of_another_shape_is_an_error_naming_grads_and_the_leaf(owner, shape):
+  tx = FACTORIES[owner]()
+  grads = {"dense": {"kernel": jnp.ones(shape), "bias": jnp.zeros(2)}}
+  message = re.escape(f"grads['dense']['kernel'] has shape {shape}, but params['dense']['kernel'] has shape (3, 2)")
+  with pytest.raises(ValueError, match=message):
+    tx.update(grads, tx.init(PARAMS), PARAMS)
+  with pytest.raises(ValueError, match=message):  # a static check: the same under jit
+    jax.jit(tx.update)(grads, tx.init(PARAMS), PARAMS)
+
+
+@pytest.mark.parametrize("owner", FACTORIES)
+def test_none_gradient_for_an_array_is_an_error_naming_the_leaf(owner):
+  tx = FACTORIES[owner]()
+  grads = {"dense": {"kernel": None, "bias": jnp.zeros(2)}}
+  with pytest.raises(TypeError, match=re.escape("grads['dense']['kernel'] is None, but params['dense']['kernel'] is an array")):
+    tx.update(grads, tx.init(PARAMS), PARAMS)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_, jnp.complex64])
+def test_gradient_that_is_not_real_floating_point_is_an_error(dtype):
+  tx = cola.c_cola_od(0.1, radius=0.1)
+  grads = {"dense": {"kernel": jnp.ones((3, 2), dtype), "bias": jnp.zeros(2)}}
+  with pytest.raises(TypeError, match=re.escape(f"grads['dense']['kernel'] has dtype {jnp.dtype(dtype)}")):
+    tx.update(grads, tx.init(PARAMS), PARAMS)
+
+
+def test_gradients_of_another_structure_are_an_error():
+  tx = cola.c_cola_od(0.1, radius=0.1)
+  with pytest.raises(ValueError, match="grads does not have the structure of the parameters"):
+    tx.update({"dense": {"kernel": jnp.ones((3, 2))}}, tx.init(PARAMS), PARAMS)
+
+
+@pytest.mark.parametrize("owner", FACTORIES)
+def test_python_and_numpy_scalar_leaves_are_used_as_optax_uses_them(owner):
+  params = {"scale": 0.5, "offset": np.float32(0.25), "dense": {"kernel": jnp.full((3, 2), 0.05)}}
+  tx = FACTORIES[owner]()
+  grads = {"scale": 1.0, "offset": np.float32(1.0), "dense": {"kernel": jnp.ones((3, 2))}}
+  updates, _ = tx.update(grads, tx.init(params), params)
+  sgd_like = optax.apply_updates(params, updates)
+  assert jnp.shape(sgd_like["scale"]) == () and jnp.shape(sgd_like["offset"]) == ()
+  assert float(sgd_like["scale"]) < 0.5 and float(sgd_like["offset"]) < 0.25  # free leaves descend
+  if owner == "cola_od":  # plain SGD
+    reference = optax.apply_updates(params, optax.sgd(0.1).update(grads, optax.sgd(0.1).init(params))[0])
+    for a, b in zip(jax.tree.leaves(sgd_like), jax.tree.leaves(reference)):
+      np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_a_leaf_that_is_not_a_number_is_an_error_naming_params_and_the_leaf():
+  with pytest.raises(TypeError, match=re.escape("cola_od: params['name'] is 'layer'")):
+    cola.cola_od(0.1).init({"name": "layer", "w": jnp.ones(2)})
+  with pytest.raises(TypeError, match=re.escape("dtype int32; parameters must be floating point (params['step'])")):
+    cola.cola_od(0.1).init({"step": jnp.zeros((), jnp.int32)})
+
+
+@pytest.mark.parametrize("owner", FACTORIES)
+def test_empty_parameter_tree_is_a_no_op_as_in_optax(owner):
+  tx = FACTORIES[owner]()
+  for empty in ({}, [], {"a": {}, "b": None}):
+    state = tx.init(empty)
+    updates, state = tx.update(empty, state, empty)
+    assert updates == empty
+    assert int(state.count) == 1
+    assert cola.constraint_residuals(empty, state) == empty
+
+
+@pytest.mark.parametrize("owner", FACTORIES)
+def test_masked_and_partition_groups_that_select_nothing_are_no_ops(owner):
+  grads = jax.tree.map(jnp.ones_like, PARAMS)
+  masked = optax.masked(FACTORIES[owner](), jax.tree.map(lambda _: False, PARAMS))
+  updates, _ = masked.update(grads, masked.init(PARAMS), PARAMS)
+  assert jax.tree.all(jax.tree.map(lambda u, g: bool(jnp.all(u == g)), updates, grads))  # masked out: unchanged
+  partition = optax.partition(
+      {"cola": FACTORIES[owner](), "sgd": optax.sgd(0.1)}, jax.tree.map(lambda _: "sgd", PARAMS))
+  updates, _ = partition.update(grads, partition.init(PARAMS), PARAMS)
+  reference, _ = optax.sgd(0.1).update(grads, optax.sgd(0.1).init(PARAMS))
+  assert jax.tree.all(jax.tree.map(lambda u, r: bool(jnp.all(u == r)), updates, reference))
+
+
+ZERO_SIZE = {"circle": jnp.zeros((0, 3)), "orthogonal_tall": jnp.zeros((3, 0)),
+             "orthogonal_wide": jnp.zeros((0, 4)), "sphere": jnp.zeros((2, 0, 3)), "kept": jnp.full((3, 2), 0.05)}
+ZERO_SIZE_CONSTRAINTS = {"circle": cola.Circle(0.1), "orthogonal_tall": cola.Orthogonal(),
+                         "orthogonal_wide": cola.Orthogonal(), "sphere": cola.Sphere(1.0), "kept": cola.Circle(0.1)}
+
+
+@pytest.mark.parametrize("make", [
+    lambda: cola.cola_od(0.1, constraints=ZERO_SIZE_CONSTRAINTS),
+    lambda: cola.cola_ud(0.1, friction=1.0, constraints=ZERO_SIZE_CONSTRAINTS, splitting="BAOAB"),
+    lambda: cola.cola_ud(0.1, friction=1.0, constraints=ZERO_SIZE_CONSTRAINTS, temperature=1e-3,
+                         key=jax.random.key(0)),
+], ids=["cola_od", "cola_ud_baoab", "cola_ud_noisy"])
+def test_zero_size_leaves_pass_as_in_optax(make):
+  tx = make()
+  grads = jax.tree.map(jnp.ones_like, ZERO_SIZE)
+  updates, state = jax.jit(tx.update)(grads, tx.init(ZERO_SIZE), ZERO_SIZE)
+  for name, leaf in ZERO_SIZE.items():
+    assert updates[name].shape == leaf.shape and updates[name].dtype == leaf.dtype
+  new = optax.apply_updates(ZERO_SIZE, updates)
+  residuals = cola.constraint_residuals(new, state)
+  assert residuals["circle"] is None and residuals["orthogonal_tall"] is None  # nothing to constrain
+  assert float(residuals["kept"]) < 1e-6
+  projected = cola.project_params(ZERO_SIZE, ZERO_SIZE_CONSTRAINTS)
+  assert jax.tree.map(jnp.shape, projected) == jax.tree.map(jnp.shape, ZERO_SIZE)
+
+
+def test_implicit_constraint_on_a_zero_size_leaf_has_no_point_and_says_so():
+  """sum(w**2) = 1 has no solution without entries: an error, not a pass."""
+  tx = cola.cola_od(0.1, constraints=cola.Implicit(equality=lambda w: jnp.sum(w**2) - 1))
+  with pytest.raises(ValueError, match=re.escape("leaf at ['w'], of shape (0, 3): 1 constraint components for 0")):
+    tx.init({"w": jnp.zeros((0, 3))})
+
+
+# States that do not fit.
+
+
+@pytest.mark.parametrize("owner", FACTORIES)
+def test_state_initialised_for_parameters_of_other_shapes_is_an_error(owner):
+  tx = FACTORIES[owner]()
+  other = {"dense": {"kernel": jnp.full((2, 3), 0.05), "bias": jnp.zeros(2)}}
+  grads = jax.tree.map(jnp.ones_like, PARAMS)
+  state = tx.init(other)
+  if owner in ("cola_od", "o_cola_od"):
+    # Nothing in these states is shaped like a parameter: the state fits any shapes.
+    tx.update(grads, state, PARAMS)
+    return
+  with pytest.raises(ValueError, match=re.escape(
+      "state for params['dense']['kernel'] holds an array of shape (2, 3) where a parameter "
+      "of shape (3, 2) needs (3, 2)")):
+    tx.update(grads, state, PARAMS)
+
+
+def test_state_for_a_different_number_of_leaves_is_an_error():
+  tx = cola.c_cola_ud(0.1, friction=1.0, radius=0.1)
+  state = tx.init({"dense": {"kernel": jnp.ones((3, 2))}})
+  with pytest.raises(ValueError, match="state.constraint_states does not have the structure of the parameters"):
+    tx.update(jax.tree.map(jnp.ones_like, PARAMS), state, PARAMS)
+
+
+def test_residuals_of_python_scalar_leaves():
+  params = {"s": 0.05, "w": jnp.full((2, 2), 0.05)}
+  tx = cola.cola_od(0.1, constraints=cola.Circle(0.1))
+  residuals = cola.constraint_residuals(params, tx.init(params))
+  assert float(residuals["s"]) < 1e-6 and float(residuals["w"]) < 1e-6
