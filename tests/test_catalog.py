@@ -398,7 +398,7 @@ CATALOG = {"layer0": {"w": cola.Box(-0.3, 0.5), "b": None},
 STEPS = 10_000
 
 
-@pytest.mark.parametrize("method, h", [("od", 0.05), ("ud", 0.1), ("baoab", 0.1)])
+@pytest.mark.parametrize("method, h", [("od", 0.05), ("ud", 0.1)])
 def test_constraints_hold_after_many_noisy_steps(method, h, mlp_problem):
   params, loss = mlp_problem
   params = jax.tree.map(lambda p: 2 * p, params)  # some entries start outside the bounds
@@ -544,7 +544,7 @@ def _beta_cdf(n):
 
 
 @pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("method", ["od", "ud"])
 def test_unit_norm_without_force_is_uniform_on_each_sphere(method, n, size):
   r = 0.5

@@ -6,8 +6,9 @@ Each constrained weight ``w`` gets a slack ``s`` with
   g(w, s) = w - s^2 = 0,
 
 so the pair moves on the parabola ``w = s^2`` and ``w >= 0`` holds without
-clipping and without an upper bound. The parameter is always computed as
-``w = s * s``, which rounding cannot make negative.
+clipping and without an upper bound. Each update computes the new weight as
+``w = s * s``, which rounding cannot make negative, and neither can
+``params + updates`` (``new - old >= -old`` rounds to at least ``-old``).
 
 Why a parabola. It is the lowest-degree slack for a one-sided bound (the
 circle's ``theta^2 + xi^2 = r^2`` bounds both sides), and a polynomial one:
