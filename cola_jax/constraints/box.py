@@ -96,6 +96,8 @@ class Box(Constraint):
 
   lower: float
   upper: float
+  _center: float = dataclasses.field(init=False, repr=False, compare=False)
+  _circle: Circle = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self):
     _check_bound("lower", self.lower)

@@ -103,6 +103,8 @@ class UnitNorm(Constraint):
 
   radius: float = 1.0
   axis: Union[None, int, tuple[int, ...]] = None
+  # The sphere S^n whose equator xi = 0 this is: its axes, products and A step.
+  _sphere: Sphere = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self):
     if isinstance(self.radius, (bool, str, bytes)) or self.radius is None:
@@ -116,7 +118,6 @@ class UnitNorm(Constraint):
     if axis is not None and len(set(axis)) != len(axis):
       raise ValueError(f"UnitNorm: axis {self.axis!r} repeats an axis.")
     object.__setattr__(self, "axis", axis)  # lists become tuples: hashable
-    # The sphere S^n whose equator xi = 0 this is: its axes, products and A step.
     object.__setattr__(self, "_sphere", Sphere(self.radius, axis))
 
   def validate(self, param, path):
