@@ -517,7 +517,7 @@ def test_box_without_force_samples_the_arcsine_law_between_the_bounds(method, si
   h, steps = cfg[method]
   w, state = _samples(method, cola.Box(lower, upper), jnp.full((cfg["n"],), 0.7, jnp.float32),
                       steps, h, 0.25, seed=31)
-  assert w.min() >= lower and w.max() <= upper
+  assert w.min() >= np.float32(lower) and w.max() <= np.float32(upper)
   x = (w - center) / r
   print(f"\nBox({lower}, {upper}), zero gradient, {method} ({size}):")
   assert _ks(x, _arcsine_cdf, "(w - c)/r vs arcsine").pvalue > ACCEPT
