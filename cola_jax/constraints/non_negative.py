@@ -34,14 +34,15 @@ circle's radial one) to ``(a, b) = (w, s) + step``. Minimising
 ``m = a - 1/2`` (the largest root; the others are negative). ``f`` is convex on
 ``t >= 0``, so Newton's method from any point above the root decreases
 monotonically to it. It starts from the smaller of two points above the root:
-a bound, ``sqrt(max(m, 0)) + min(cbrt(|b| / 2), |b| / (2|m| + 2 max(m, 0)))``,
+a bound, ``sqrt(max(m, 0)) + min(cbrt(|b| / 2), |b| / (2|m| + 2 max(m, 0)))``
+(its cube root taken from above),
 and the slack of the step's tangential part, ``s + (2 s, 1) . step / n^2``
 (first order in the step), if ``f`` is positive there, else Newton's first
 step from it (which lands above the root where ``f' > 0``). Five Newton
 iterations follow, a fixed number (no loop to synchronise on): measured against
-a float64 solution, they reach the root to 4 float32 ulps of ``max(|s|, 1)``
-for steps of every size from ``1e-3`` to ``1e29`` (four leave up to ~6000 ulps
-at steps of order 1). Whatever the step, the result is on the parabola
+a float64 solution, they reach the root to 3.5 float32 ulps of ``max(|s|, 1)``
+for steps of every size from ``1e-3`` to ``1e29`` (four do too, within 4 ulps;
+three leave up to ~6000 ulps at steps of order 1). Whatever the step, the result is on the parabola
 exactly, as ``w = s * s``. The iteration is scaled by ``1 / max(t, 1)^2`` so
 that nothing overflows.
 
