@@ -16,15 +16,21 @@ from cola_jax.alias import (
     sgd_momentum_to_langevin,
 )
 from cola_jax.constraints import (
+    Box,
+    BoxState,
     Circle,
     CircleState,
     Constraint,
     Implicit,
     ImplicitState,
+    NonNegative,
+    NonNegativeState,
     Orthogonal,
     ProjectionInfo,
     Sphere,
     SphereState,
+    UnitNorm,
+    UnitNormState,
 )
 from cola_jax.declared import constraints_from, with_constraint
 from cola_jax.diagnostics import constraint_residuals
@@ -35,17 +41,23 @@ from cola_jax.transforms import OverdampedState, UnderdampedState, cola_od, cola
 __version__ = "0.1.0"
 
 __all__ = [
+    "Box",
+    "BoxState",
     "Circle",
     "CircleState",
     "Constraint",
     "Implicit",
     "ImplicitState",
+    "NonNegative",
+    "NonNegativeState",
     "Orthogonal",
     "OverdampedState",
     "ProjectionInfo",
     "Sphere",
     "SphereState",
     "UnderdampedState",
+    "UnitNorm",
+    "UnitNormState",
     "c_cola_od",
     "c_cola_ud",
     "circle_constraints",

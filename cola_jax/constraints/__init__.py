@@ -1,12 +1,16 @@
 """Constraint manifolds, one module each."""
 
 from cola_jax.constraints.base import Constraint, Euclidean
+from cola_jax.constraints.box import Box, BoxState
 from cola_jax.constraints.circle import Circle, CircleState
 from cola_jax.constraints.implicit import Implicit, ImplicitState
+from cola_jax.constraints.non_negative import NonNegative, NonNegativeState
 from cola_jax.constraints.orthogonal import Orthogonal, ProjectionInfo
 from cola_jax.constraints.sphere import Sphere, SphereState
+from cola_jax.constraints.unit_norm import UnitNorm, UnitNormState
 
 __all__ = [
-    "Circle", "CircleState", "Constraint", "Euclidean", "Implicit", "ImplicitState", "Orthogonal",
-    "ProjectionInfo", "Sphere", "SphereState",
+    "Box", "BoxState", "Circle", "CircleState", "Constraint", "Euclidean", "Implicit",
+    "ImplicitState", "NonNegative", "NonNegativeState", "Orthogonal", "ProjectionInfo", "Sphere",
+    "SphereState", "UnitNorm", "UnitNormState",
 ]

@@ -110,7 +110,7 @@ class SphereState(NamedTuple):
     return jnp.maximum(on_sphere, outside)
 
 
-def _normalize_axis(axis) -> Optional[tuple[int, ...]]:
+def _normalize_axis(axis, owner: str = "Sphere") -> Optional[tuple[int, ...]]:
   if axis is None:
     return None
   if isinstance(axis, (list, tuple)):
@@ -120,13 +120,30 @@ def _normalize_axis(axis) -> Optional[tuple[int, ...]]:
   out = []
   for a in items:
     if isinstance(a, bool):
-      raise TypeError(f"Sphere: axis must be None, an int or a tuple of ints, got {axis!r}.")
+      raise TypeError(f"{owner}: axis must be None, an int or a tuple of ints, got {axis!r}.")
     try:
       out.append(operator.index(a))
     except TypeError:
       raise TypeError(
-          f"Sphere: axis must be None, an int or a tuple of ints, got {axis!r}.") from None
+          f"{owner}: axis must be None, an int or a tuple of ints, got {axis!r}.") from None
   return tuple(out)
+
+
+def _check_axis(owner: str, axis, param, path: str) -> None:
+  """Raises ValueError naming the leaf if ``axis`` does not fit it."""
+  if axis is None:
+    return
+  ndim = param.ndim
+  bad = [a for a in axis if not -ndim <= a < ndim]
+  if bad:
+    raise ValueError(
+        f"{owner} constraint on the leaf at {path}, of shape {param.shape}: "
+        f"axis {bad[0] if len(bad) == 1 else tuple(bad)} is out of range for a leaf "
+        f"of rank {ndim} (axis={axis}).")
+  if len({a % ndim for a in axis}) != len(axis):
+    raise ValueError(
+        f"{owner} constraint on the leaf at {path}, of shape {param.shape}: "
+        f"axis {axis!r} names the same axis twice.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,19 +191,7 @@ class Sphere(Constraint):
     return tuple(sorted(a % ndim for a in self.axis))
 
   def validate(self, param, path):
-    if self.axis is None:
-      return
-    ndim = param.ndim
-    bad = [a for a in self.axis if not -ndim <= a < ndim]
-    if bad:
-      raise ValueError(
-          f"Sphere constraint on the leaf at {path}, of shape {param.shape}: "
-          f"axis {bad[0] if len(bad) == 1 else tuple(bad)} is out of range for a leaf "
-          f"of rank {ndim} (axis={self.axis}).")
-    if len({a % ndim for a in self.axis}) != len(self.axis):
-      raise ValueError(
-          f"Sphere constraint on the leaf at {path}, of shape {param.shape}: "
-          f"axis {self.axis!r} names the same axis twice.")
+    _check_axis("Sphere", self.axis, param, path)
 
   def _dot(self, a, b):
     """Per-unit inner product, reduced axes kept with size 1."""

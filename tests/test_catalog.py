@@ -1,0 +1,629 @@
+r"""The catalog constraints :class:`~cola_jax.Box`, :class:`~cola_jax.NonNegative`, :class:`~cola_jax.UnitNorm`.
+
+Geometry against float64 references, residuals after 10k noisy steps with real
+gradients, equivalences (``Box(-r, r)`` is ``Circle(r)`` bit for bit; a
+shifted box is the shifted circle; ``UnitNorm`` is the dense
+``Implicit(equality=|w_j|^2 / r^2 - 1)``), and the invariant measures with
+fixed keys:
+
+* ``Box(l, u)``, zero gradient: the arcsine law between the bounds,
+  ``(w - c) / r = sin(phi)`` with ``phi`` uniform, exact for every ``h`` (the
+  circle's rotation invariance). ``E x^2 = 1/2`` for the arcsine law, ``1/3``
+  for the uniform one.
+* ``UnitNorm``, zero gradient: each unit ``w_j / r`` uniform on ``S^{n-1}``,
+  one coordinate ``(x + 1) / 2 ~ Beta((n-1)/2, (n-1)/2)``, ``E x^2 = 1/n``,
+  ``E x^4 = 3 / (n (n + 2))``; exact for every ``h`` (rotation invariance).
+* ``NonNegative`` with ``V = k (w - c)^2 / 2``: the density
+  ``exp(-V/tau) sqrt(1 + 4w) / sqrt(w)`` derived in ``non_negative.py`` (the
+  arc length of the parabola ``w = s^2``, both branches of ``s``). Its CDF is
+  computed in ``s``, where the integrand is smooth. The step-size bias is
+  O(h); the step sizes keep it below the KS noise (measured: KS distance
+  0.008 at od ``h = 0.01``, 0.005 at ud ``h = 0.05``, n = 2e4; the wrong laws
+  are at 0.06-0.09).
+
+Each statistical test also rejects wrong answers on its own samples (the
+uniform law between the bounds, the law one dimension up, the density without
+the arc-length factor ``sqrt(1 + 4w)``, ``exp(-V/tau)`` on ``w >= 0``).
+"""
+
+import math
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import pytest  # noqa: E402
+from scipy import stats  # noqa: E402
+
+import cola_jax as cola  # noqa: E402
+from cola_jax import langevin  # noqa: E402
+
+ACCEPT = 1e-3
+REJECT = 1e-6
+Z_ACCEPT = 4.5
+Z_REJECT = 10.0
+SIZES = [pytest.param("quick", id="quick"), pytest.param("slow", id="slow", marks=pytest.mark.slow)]
+
+
+def _transform(method, h, constraints, tau=0.0, key=None, gamma=1.0):
+  kwargs = dict(temperature=tau, key=key) if tau else {}
+  if method == "od":
+    return cola.cola_od(h, constraints=constraints, **kwargs)
+  splitting = "BAOAB" if method == "baoab" else "OBA"
+  return cola.cola_ud(h, friction=gamma, constraints=constraints, splitting=splitting, **kwargs)
+
+
+def _run(tx, params, steps, grad_fn):
+  """(params, state) after ``steps`` updates with gradients ``grad_fn(params)``, one jit."""
+
+  def body(carry, _):
+    p, s = carry
+    updates, s = tx.update(grad_fn(p), s, p)
+    return (optax.apply_updates(p, updates), s), None
+
+  return jax.jit(lambda p: jax.lax.scan(body, (p, tx.init(p)), None, length=steps)[0])(params)
+
+
+# --------------------------------------------------------------------------------------
+# Construction and bad input
+
+
+def test_box_hyperparameters_are_checked():
+  with pytest.raises(ValueError, match="lower must be below upper"):
+    cola.Box(1.0, 0.5)
+  with pytest.raises(ValueError, match="lower must be below upper"):
+    cola.Box(0.5, 0.5)
+  with pytest.raises(ValueError, match="lower must be finite"):
+    cola.Box(-math.inf, 1.0)
+  with pytest.raises(ValueError, match="upper must be finite"):
+    cola.Box(0.0, math.nan)
+  with pytest.raises(ValueError, match="upper - lower must be finite"):
+    cola.Box(-1e308, 1e308)
+  with pytest.raises(ValueError, match="lower must be a scalar.*per-entry bounds are not supported"):
+    cola.Box(jnp.zeros(3), 1.0)
+  with pytest.raises(TypeError, match="upper must be a number"):
+    cola.Box(0.0, "1")
+  assert cola.Box(0, 1) == cola.Box(0.0, 1.0) and hash(cola.Box(0, 1)) == hash(cola.Box(0.0, 1.0))
+
+
+def test_unit_norm_hyperparameters_and_axes_are_checked():
+  for bad in (0.0, -1.0, math.inf, math.nan):
+    with pytest.raises(ValueError, match="UnitNorm: radius must be positive and finite"):
+      cola.UnitNorm(bad)
+  with pytest.raises(TypeError, match="UnitNorm: axis must be None, an int or a tuple"):
+    cola.UnitNorm(axis=1.5)
+  with pytest.raises(ValueError, match="UnitNorm: axis .* repeats"):
+    cola.UnitNorm(axis=(0, 0))
+  assert cola.UnitNorm(axis=[0, 1]) == cola.UnitNorm(axis=(0, 1))
+  params = {"layer": {"w": jnp.ones((3, 4)), "b": jnp.ones(4)}}
+  with pytest.raises(ValueError, match=r"UnitNorm constraint on the leaf at \['layer'\]\['w'\].*"
+                                       r"axis 2 is out of range"):
+    cola.cola_od(0.1, constraints={"layer": {"w": cola.UnitNorm(axis=2), "b": None}}).init(params)
+  # A bias under the default axis: units of one entry, |b_i| = r leaves only +-r.
+  with pytest.raises(ValueError, match=r"leaf at \['layer'\]\['b'\].*1 entry.*axis=0 for a vector"):
+    cola.cola_ud(0.1, friction=1.0, constraints=cola.UnitNorm()).init(params)
+  cola.cola_ud(0.1, friction=1.0, constraints={"layer": {"w": cola.UnitNorm(),
+                                                         "b": cola.UnitNorm(axis=0)}}).init(params)
+
+
+def test_nearest_points():
+  w = jnp.array([-1.0, -0.2, 0.0, 0.3, 0.9, 2.0])
+  np.testing.assert_array_equal(cola.Box(-0.1, 0.5).nearest(w), jnp.clip(w, -0.1, 0.5))
+  np.testing.assert_array_equal(cola.NonNegative().nearest(w), jnp.maximum(w, 0.0))
+  state = cola.NonNegative().init(w)
+  np.testing.assert_allclose(state.slack, np.sqrt(np.maximum(w, 0)), rtol=1e-7)
+  kernel = jnp.array([[3.0, 0.0, -1.0], [4.0, 0.0, 1e-30]])  # a zero column, a tiny one
+  near = np.asarray(cola.UnitNorm(2.0).nearest(kernel), np.float64)
+  np.testing.assert_allclose(near[:, 0], [1.2, 1.6], rtol=1e-6)
+  np.testing.assert_allclose(near[:, 1], [math.sqrt(2.0)] * 2, rtol=1e-6)  # r (1, 1) / sqrt(2)
+  np.testing.assert_allclose(np.linalg.norm(near, axis=0), 2.0, rtol=1e-6)
+  assert cola.UnitNorm(2.0).init(kernel).axes == (0,)
+
+
+# --------------------------------------------------------------------------------------
+# NonNegative: the geometry against float64
+
+
+def _nearest_on_parabola64(a, b):
+  """The nearest point ``(s^2, s)`` to ``(a, b)``, float64: the largest root of the cubic."""
+  s = np.empty_like(a)
+  for i, (ai, bi) in enumerate(zip(a, b)):
+    roots = np.roots([2.0, 0.0, 1.0 - 2.0 * ai, -abs(bi)])
+    t = max(r.real for r in roots if abs(r.imag) <= 1e-9 * max(1.0, abs(r.real)))
+    s[i] = math.copysign(t, bi)
+  return s
+
+
+@pytest.mark.parametrize("scale", [1e-3, 0.1, 1.0, 30.0, 1e6])
+def test_non_negative_projection_is_the_nearest_point(scale):
+  """Five Newton iterations reach float32 rounding for steps of every size."""
+  rng = np.random.default_rng(int(math.log10(scale)) + 10)
+  n = 2_000
+  s0 = (rng.standard_normal(n) * np.exp(rng.uniform(-3, 2, n))).astype(np.float32)
+  step = (rng.standard_normal((2, n)) * scale).astype(np.float32)
+  c = cola.NonNegative()
+  anchor = c.point(jnp.asarray(s0 * s0), c.init(jnp.asarray(s0 * s0))._replace(slack=jnp.asarray(s0)))
+  w1, s1 = c.project(anchor, (jnp.asarray(step[0]), jnp.asarray(step[1])))
+  a = np.asarray(anchor[0], np.float64) + step[0]  # the moved point, as float32 sums
+  b = np.asarray(anchor[1], np.float64) + step[1]
+  a, b = a.astype(np.float32).astype(np.float64), b.astype(np.float32).astype(np.float64)
+  exact = _nearest_on_parabola64(a, b)
+  error = np.abs(np.asarray(s1, np.float64) - exact) / np.maximum(np.abs(exact), 1.0)
+  assert np.max(error) <= 5e-7, np.max(error)  # ~4 float32 ulps of max(|s|, 1)
+  np.testing.assert_array_equal(w1, s1 * s1)  # on the parabola by construction
+  assert np.all(np.asarray(w1) >= 0)
+  # The nearest point: the residual (a, b) - q is normal to the parabola, along (1, -2s).
+  s = np.asarray(s1, np.float64)
+  tangential = (a - s * s) * 2 * s + (b - s)
+  assert np.max(np.abs(tangential) / np.maximum(np.abs(s), 1) ** 3) <= 1e-5 * max(scale, 1)
+
+
+def _parabola_point(s):
+  c = cola.NonNegative()
+  s = jnp.asarray(s, jnp.float32)
+  return c, c.point(s * s, c.init(s * s)._replace(slack=s))
+
+
+def _arc_length64(s):
+  return 0.5 * s * np.sqrt(1 + 4 * s * s) + 0.25 * np.arcsinh(2 * s)
+
+
+def _geodesic64(s0, v, h):
+  """The exact free flight on the parabola: arc length h v along (2s, 1), by bisection."""
+  target = _arc_length64(s0) + h * v
+  lo, hi = np.full_like(s0, -1e3), np.full_like(s0, 1e3)
+  for _ in range(200):
+    mid = 0.5 * (lo + hi)
+    below = _arc_length64(mid) < target
+    lo, hi = np.where(below, mid, lo), np.where(below, hi, mid)
+  return 0.5 * (lo + hi)
+
+
+def test_non_negative_rattle_step():
+  """The closed-form multiplier solves RATTLE's equations (float64, to rounding)."""
+  s0 = np.array([-1.3, -0.4, -0.05, 0.0, 0.02, 0.3, 0.8, 2.5])
+  v = np.array([0.4, -1.0, 0.7, 0.5, -0.3, -0.9, 1.2, -2.0])
+  h = 0.1
+  c = cola.NonNegative()
+  with jax.enable_x64(True):
+    point = (jnp.asarray(s0**2), jnp.asarray(s0))
+    (w1, s1), v1 = langevin.a_step(c, point, jnp.asarray(v), h)
+    (_, back), v_back = langevin.a_step(c, (w1, s1), -v1, h)
+  s1, v1 = np.asarray(s1), np.asarray(v1)
+  np.testing.assert_array_equal(w1, s1 * s1)
+  # SHAKE: q1 - q0 - h p0 is along the normal (1, -2 s0) at the start.
+  n0 = np.sqrt(1 + 4 * s0**2)
+  d = np.stack([s1**2 - s0**2, s1 - s0]) - h * np.stack([2 * s0 * v / n0, v / n0])
+  np.testing.assert_allclose(d[1], -2 * s0 * d[0], atol=1e-14)
+  assert np.max(np.abs(d)) > 1e-4  # the multiplier is not zero
+  # RATTLE's momentum: the tangential part of (q1 - q0) / h at q1.
+  n1 = np.sqrt(1 + 4 * s1**2)
+  np.testing.assert_allclose(v1, (2 * s1 * (s1**2 - s0**2) + (s1 - s0)) / (h * n1), rtol=1e-12)
+  # Time reversible.
+  np.testing.assert_allclose(back, s0, atol=1e-14)
+  np.testing.assert_allclose(-np.asarray(v_back), v, rtol=1e-12)
+
+
+def test_non_negative_rattle_is_second_order():
+  """Against the exact free flight (arc length h v), the one-step error falls 8x per halving."""
+  s0 = np.linspace(-1.5, 1.5, 13)
+  v = np.linspace(1.0, -0.6, 13)
+  errors = []
+  for h in (0.08, 0.04, 0.02):
+    with jax.enable_x64(True):
+      c = cola.NonNegative()
+      point = (jnp.asarray(s0**2), jnp.asarray(s0))
+      (_, s1), _ = c.a_step(point, jnp.asarray(v), h)
+    errors.append(np.max(np.abs(np.asarray(s1) - _geodesic64(s0, v, h))))
+  print("\nRATTLE one-step errors at h = 0.08, 0.04, 0.02:", errors)
+  assert 6.5 < errors[0] / errors[1] < 9.5 and 6.5 < errors[1] / errors[2] < 9.5
+
+
+def test_non_negative_rattle_without_solution_is_rejected_and_reversed():
+  # h s v < -n^3 / 8: heading for the vertex faster than the curve bends.
+  s0 = np.array([1.0, 1.0], np.float32)
+  v = np.array([-3.0, -1.0], np.float32)  # h s v = -3, -1 against -n^3/8 = -1.40
+  c, point = _parabola_point(s0)
+  (w1, s1), v1 = c.a_step(point, jnp.asarray(v), 1.0)
+  assert float(s1[0]) == 1.0 and float(w1[0]) == 1.0 and float(v1[0]) == 3.0
+  assert float(s1[1]) < 1.0 and float(v1[1]) < 0  # solvable: it moves on
+  np.testing.assert_allclose(w1, s1 * s1)
+
+
+def test_non_negative_b_step_and_noise_are_tangential():
+  s = np.array([-0.7, 0.0, 0.4], np.float32)
+  c, point = _parabola_point(s)
+  g = jnp.array([2.0, -1.0, 0.5])
+  kicked = langevin.b_step(c, point, jnp.zeros(3), g, 0.3)
+  # p = v (2s, 1) / n: the gradient (g, 0) projects to 2 s g / n.
+  np.testing.assert_allclose(kicked, -0.3 * 2 * s * np.asarray(g) / np.sqrt(1 + 4 * s**2),
+                             rtol=1e-6)
+  # The cotangent projection is orthogonal: idempotent on the unit tangent.
+  t = (2 * s / np.sqrt(1 + 4 * s**2), 1 / np.sqrt(1 + 4 * s**2))
+  np.testing.assert_allclose(c.cotangent(point, (jnp.asarray(t[0]), jnp.asarray(t[1]))), 1.0,
+                             rtol=1e-6)
+  normal = (jnp.asarray(1 / np.sqrt(1 + 4 * s**2)), jnp.asarray(-2 * s / np.sqrt(1 + 4 * s**2)))
+  np.testing.assert_allclose(c.cotangent(point, normal), 0.0, atol=1e-7)
+
+
+def test_non_negative_extreme_steps_stay_on_the_parabola_or_show_nan():
+  c = cola.NonNegative()
+  w = jnp.array([0.0, 0.5, 2.0, 1e6, 0.3, 0.3], jnp.float32)
+  g = jnp.array([1e30, -1e30, 1e25, -1e20, jnp.inf, jnp.nan], jnp.float32)
+  point = c.point(w, c.init(w))
+  w1, s1 = langevin.overdamped_step(c, point, g, 0.1)
+  finite = np.isfinite(np.asarray(g))
+  assert np.all(np.isfinite(np.asarray(w1))[finite])
+  assert np.all(np.asarray(w1)[finite] >= 0)
+  np.testing.assert_array_equal(np.asarray(w1)[finite], np.asarray(s1 * s1)[finite])
+  np.testing.assert_allclose(float(w1[1]), 0.1 * 1e30, rtol=1e-6)  # pushed up: w = a - 1/2
+  assert float(w1[0]) < 1e-30  # pushed down: to the vertex
+  assert np.all(np.isnan(np.asarray(w1)[~finite]))  # a non-finite gradient shows
+
+
+# --------------------------------------------------------------------------------------
+# UnitNorm: the geometry against float64
+
+
+def test_unit_norm_a_step_is_the_great_circle():
+  r, h = 0.7, 0.3
+  c = cola.UnitNorm(r)
+  w = c.nearest(jax.random.normal(jax.random.key(0), (4, 32)))
+  scale = np.exp(np.linspace(np.log(1e-3), np.log(20.0), 32)).astype(np.float32)
+  u = c.cotangent(w, jax.random.normal(jax.random.key(1), (4, 32)) * scale)
+  u = u.at[:, 0].set(0.0)
+  w1, u1 = langevin.a_step(c, w, u, h)
+  w64, u64 = np.asarray(w, np.float64), np.asarray(u, np.float64)
+  speed = np.linalg.norm(u64, axis=0)
+  phi = h * speed / r
+  safe = np.where(speed > 0, speed, 1.0)
+  expected_w = np.cos(phi) * w64 + np.sin(phi) * r * u64 / safe
+  expected_u = np.cos(phi) * u64 - np.sin(phi) * speed * w64 / r
+  assert np.all(np.abs(np.asarray(w1) - expected_w) <= 1e-6 + 3e-7 * r * phi)
+  assert np.all(np.abs(np.asarray(u1) - expected_u) <= (1e-6 + 3e-7 * phi) * np.maximum(speed, 1))
+  np.testing.assert_allclose(np.linalg.norm(np.asarray(w1, np.float64), axis=0), r, rtol=3e-7)
+  np.testing.assert_allclose(np.sum(np.asarray(w1) * np.asarray(u1), axis=0), 0,
+                             atol=1e-6 * max(1, speed.max()))
+  np.testing.assert_array_equal(w1[:, 0], w[:, 0])  # no momentum: no motion
+
+
+def test_unit_norm_projections():
+  r = 0.5
+  c = cola.UnitNorm(r, axis=(0, 1))  # a conv kernel's filters
+  w = c.nearest(jax.random.normal(jax.random.key(2), (3, 3, 2)))
+  step = 0.1 * jax.random.normal(jax.random.key(3), w.shape)
+  moved = np.asarray(w + step, np.float64)
+  expected = r * moved / np.sqrt(np.sum(moved**2, axis=(0, 1), keepdims=True))
+  np.testing.assert_allclose(c.project(w, step), expected, rtol=1e-6, atol=1e-7)
+  v = np.asarray(jax.random.normal(jax.random.key(4), w.shape), np.float64)
+  w64 = np.asarray(w, np.float64)
+  dot = np.sum(w64 * v, axis=(0, 1), keepdims=True)
+  np.testing.assert_allclose(c.cotangent(w, jnp.asarray(v, jnp.float32)), v - dot * w64 / r**2,
+                             atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------
+# Equivalences
+
+
+def _potential_grad(w):
+  return 3.0 * (w - 0.2) + jnp.sin(5.0 * w)
+
+
+@pytest.mark.parametrize("method", ["od", "ud", "baoab"])
+def test_symmetric_box_is_the_circle_bit_for_bit(method):
+  r = 0.5
+  w = jnp.linspace(-0.7, 0.6, 64)  # some start outside
+  make = lambda c: _transform(method, 0.05 if method == "od" else 0.2, c, 1e-2,  # noqa: E731
+                              jax.random.key(3))
+  p_circle, s_circle = _run(make(cola.Circle(r)), w, 100, _potential_grad)
+  p_box, s_box = _run(make(cola.Box(-r, r)), w, 100, _potential_grad)
+  assert float(jnp.max(jnp.abs(p_circle - w))) > 0.3  # it moved
+  np.testing.assert_array_equal(p_box, p_circle)
+  np.testing.assert_array_equal(s_box.constraint_states.slack, s_circle.constraint_states.slack)
+  if method != "od":
+    np.testing.assert_array_equal(s_box.momentum, s_circle.momentum)
+
+
+@pytest.mark.parametrize("method", ["od", "ud"])
+def test_shifted_box_is_the_shifted_circle(method):
+  lower, upper = 0.3, 1.3
+  center, r = 0.8, 0.5
+  w = jnp.linspace(-0.7, 0.6, 64)
+  make = lambda c: _transform(method, 0.05 if method == "od" else 0.2, c, 1e-2,  # noqa: E731
+                              jax.random.key(4))
+  p_circle, _ = _run(make(cola.Circle(r)), w, 100, _potential_grad)
+  p_box, state = _run(make(cola.Box(lower, upper)), w + center,
+                      100, lambda p: _potential_grad(p - center))
+  np.testing.assert_allclose(p_box - center, p_circle, atol=1e-6)
+  assert float(jnp.min(p_box)) >= lower and float(jnp.max(p_box)) <= upper
+  assert float(cola.constraint_residuals(p_box, state)) <= 1e-6
+
+
+def _norm_implicit(r):
+  return cola.Implicit(equality=lambda w: jnp.sum(w * w, axis=0) / r**2 - 1, tolerance=1e-6,
+                       max_iterations=50)
+
+
+UNIT_START = jnp.array([[0.3, -0.2], [0.5, 0.4], [-0.1, 0.6]])
+UNIT_TARGET = jnp.array([[1.0, -1.0], [0.0, 0.5], [0.5, 0.2]])
+
+
+def _unit_grad(w):
+  return w - UNIT_TARGET + 0.3 * jnp.sin(3 * w)
+
+
+def test_unit_norm_is_the_dense_implicit_constraint_ud():
+  """Same noise draws, exact geodesic vs RATTLE: they differ by O(h^2) over a fixed time."""
+  r = 0.8
+  errors = []
+  for h, steps in ((0.02, 100), (0.01, 200)):
+    make = lambda c: _transform("ud", h, c, 1e-3, jax.random.key(5))  # noqa: E731,B023
+    p_unit, s_unit = _run(make(cola.UnitNorm(r)), UNIT_START, steps, _unit_grad)
+    p_implicit, s_implicit = _run(make(_norm_implicit(r)), UNIT_START, steps, _unit_grad)
+    assert bool(s_implicit.constraint_states.converged)
+    assert float(jnp.max(jnp.abs(p_unit - cola.UnitNorm(r).nearest(UNIT_START)))) > 0.1
+    errors.append(float(jnp.max(jnp.abs(p_unit - p_implicit))))
+    assert float(cola.constraint_residuals(p_unit, s_unit)) <= 1e-6
+  print("\nmax |UnitNorm - Implicit|, ud at h = 0.02, 0.01:", errors)
+  assert errors[1] <= 1e-5
+  assert 2.5 < errors[0] / errors[1] < 6  # second order
+
+
+def test_unit_norm_is_the_dense_implicit_constraint_od():
+  """Radial vs SHAKE's oblique projection: O(|step|^2) per step, so O(h) over a fixed time."""
+  r = 0.8
+  errors = []
+  for h, steps in ((0.004, 250), (0.002, 500)):
+    p_unit, _ = _run(_transform("od", h, cola.UnitNorm(r)), UNIT_START, steps, _unit_grad)
+    p_implicit, state = _run(_transform("od", h, _norm_implicit(r)), UNIT_START, steps,
+                             _unit_grad)
+    assert bool(state.constraint_states.converged)
+    errors.append(float(jnp.max(jnp.abs(p_unit - p_implicit))))
+  print("\nmax |UnitNorm - Implicit|, od at h = 0.004, 0.002:", errors)
+  assert errors[1] <= 5e-4
+  assert 1.6 < errors[0] / errors[1] < 2.5  # first order: both are projections onto M
+
+
+# --------------------------------------------------------------------------------------
+# Residuals after many noisy steps with real gradients
+
+
+CATALOG = {"layer0": {"w": cola.Box(-0.3, 0.5), "b": None},
+           "layer1": {"w": cola.NonNegative(), "b": cola.Box(0.0, 0.1)},
+           "layer2": {"w": cola.UnitNorm(0.8), "b": None}}
+STEPS = 10_000
+
+
+@pytest.mark.parametrize("method, h", [("od", 0.05), ("ud", 0.1)])
+def test_constraints_hold_after_many_noisy_steps(method, h, mlp_problem):
+  params, loss = mlp_problem
+  params = jax.tree.map(lambda p: 2 * p, params)  # some entries start outside the bounds
+  tx = _transform(method, h, CATALOG, 1e-4, jax.random.key(0))
+
+  def step(carry, i):
+    p, s = carry
+    updates, s = tx.update(jax.grad(loss)(p, i), s, p)
+    return (optax.apply_updates(p, updates), s), loss(p, i)
+
+  (new, state), losses = jax.jit(
+      lambda c: jax.lax.scan(step, c, jnp.arange(STEPS)))((params, tx.init(params)))
+  assert np.all(np.isfinite(np.asarray(losses)))
+  assert float(losses[-500:].mean()) < 0.7 * float(losses[:20].mean())  # it trains
+  residuals = cola.constraint_residuals(new, state)
+  print(f"\n{method}: loss {float(losses[:20].mean()):.3f} -> {float(losses[-500:].mean()):.3f}, "
+        f"residuals {jax.tree.map(float, residuals)}")
+  assert max(float(r) for r in jax.tree.leaves(residuals)) <= 1e-5
+  w0, w1, b1 = new["layer0"]["w"], new["layer1"]["w"], new["layer1"]["b"]
+  assert float(w0.min()) >= -0.3 - 1e-7 and float(w0.max()) <= 0.5 + 1e-7
+  assert float(w1.min()) >= 0.0  # exactly: w = s^2
+  assert float(jnp.mean(w1 == 0)) < 0.5 and float(jnp.mean(w1 < 1e-3)) > 0  # some reach 0
+  assert float(b1.min()) >= 0.0 and float(b1.max()) <= 0.1 + 1e-8
+  norms = np.linalg.norm(np.asarray(new["layer2"]["w"], np.float64), axis=0)
+  np.testing.assert_allclose(norms, 0.8, rtol=1e-6)
+  if method != "od":  # UnitNorm's momentum is tangent
+    u = np.asarray(state.momentum["layer2"]["w"], np.float64)
+    w = np.asarray(new["layer2"]["w"], np.float64)
+    assert np.max(np.abs(np.sum(u * w, axis=0))) <= 1e-5 * max(1.0, np.abs(u).max())
+
+
+# --------------------------------------------------------------------------------------
+# Learning rate zero, low precision, project_params
+
+
+def test_zero_learning_rate_moves_nothing():
+  params = cola.project_params(
+      {"box": jnp.linspace(-0.5, 1.2, 9), "nn": jnp.linspace(-0.2, 3.0, 9),
+       "un": jax.random.normal(jax.random.key(0), (4, 3))},
+      {"box": cola.Box(0.0, 1.0), "nn": cola.NonNegative(), "un": cola.UnitNorm(0.7)})
+  constraints = {"box": cola.Box(0.0, 1.0), "nn": cola.NonNegative(), "un": cola.UnitNorm(0.7)}
+  zero = optax.constant_schedule(0.0)
+  for tx in (cola.cola_od(zero, constraints=constraints, temperature=0.1, key=jax.random.key(0)),
+             cola.cola_ud(zero, friction=1.0, constraints=constraints, temperature=0.1,
+                          key=jax.random.key(0))):
+    new, _ = _run(tx, params, 3, lambda p: jax.tree.map(jnp.ones_like, p))
+    np.testing.assert_array_equal(new["nn"], params["nn"])
+    for name in ("box", "un"):  # renormalisation may round, by an ulp at most
+      np.testing.assert_allclose(new[name], params[name], rtol=1.2e-7, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_parameters_keep_their_dtype_and_the_constraint(dtype, mlp_problem):
+  params, loss = mlp_problem
+  low = jax.tree.map(lambda p: p.astype(dtype), params)
+  tx = _transform("ud" if dtype == jnp.bfloat16 else "od", 0.05, CATALOG, 1e-5, jax.random.key(1))
+  new, state = _run(tx, low, 50, lambda p: jax.grad(loss)(
+      jax.tree.map(lambda x: x.astype(jnp.float32), p), 0))
+  assert all(x.dtype == dtype for x in jax.tree.leaves(new))
+  residual = max(float(r) for r in jax.tree.leaves(cola.constraint_residuals(new, state)))
+  assert residual <= 8 * float(jnp.finfo(dtype).eps), residual
+  assert float(new["layer1"]["w"].min()) >= 0
+
+
+def test_project_params_puts_each_leaf_on_its_manifold(mlp_problem):
+  params = jax.tree.map(lambda p: 3 * p, mlp_problem[0])
+  projected = cola.project_params(params, CATALOG)
+  assert float(projected["layer0"]["w"].min()) >= np.float32(-0.3)
+  assert float(projected["layer0"]["w"].max()) <= np.float32(0.5)
+  assert float(projected["layer1"]["w"].min()) >= 0.0
+  np.testing.assert_allclose(np.linalg.norm(projected["layer2"]["w"], axis=0), 0.8, rtol=1e-6)
+  np.testing.assert_array_equal(projected["layer0"]["b"], params["layer0"]["b"])
+
+
+# --------------------------------------------------------------------------------------
+# Invariant measures
+
+
+def _z(values, exact):
+  return (values.mean() - exact) / (values.std(ddof=1) / math.sqrt(values.size))
+
+
+def _ks(samples, cdf, label):
+  result = stats.kstest(samples, cdf)
+  print(f"  KS {label}: D = {result.statistic:.5f}, p = {result.pvalue:.3g}, n = {samples.size}")
+  return result
+
+
+def _arcsine_cdf(x):
+  return 0.5 + np.arcsin(np.clip(x, -1.0, 1.0)) / np.pi
+
+
+def _uniform_cdf(x):
+  return np.clip((x + 1.0) / 2.0, 0.0, 1.0)
+
+
+def _samples(method, constraint, params, steps, h, tau, seed, grad_fn=jnp.zeros_like):
+  tx = _transform(method, h, constraint, tau, jax.random.key(seed))
+  new, state = _run(tx, params, steps, grad_fn)
+  return np.asarray(new, np.float64), state
+
+
+# Box(l, u), zero gradient, r = 0.5, tau = 0.25: the circle's angle diffuses at
+# tau / r^2 = 1 per unit time; od t = 10, ud t = 20 (gamma = 1), as for the
+# circle in test_invariant_measure.py. Exact for every h.
+BOX_FREE = {"quick": dict(n=20_000, od=(0.01, 1_000), ud=(0.05, 400)),
+            "slow": dict(n=1_000_000, od=(0.01, 2_000), ud=(0.05, 800))}
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("method", ["od", "ud"])
+def test_box_without_force_samples_the_arcsine_law_between_the_bounds(method, size):
+  lower, upper = -0.2, 0.8
+  center, r = 0.3, 0.5
+  cfg = BOX_FREE[size]
+  h, steps = cfg[method]
+  w, state = _samples(method, cola.Box(lower, upper), jnp.full((cfg["n"],), 0.7, jnp.float32),
+                      steps, h, 0.25, seed=31)
+  assert w.min() >= np.float32(lower) and w.max() <= np.float32(upper)
+  x = (w - center) / r
+  print(f"\nBox({lower}, {upper}), zero gradient, {method} ({size}):")
+  assert _ks(x, _arcsine_cdf, "(w - c)/r vs arcsine").pvalue > ACCEPT
+  xi = np.asarray(state.constraint_states.slack, np.float64) / r
+  assert _ks(xi, _arcsine_cdf, "xi/r vs arcsine").pvalue > ACCEPT
+  z2 = _z(x**2, 0.5)
+  z_uniform = _z(x**2, 1 / 3)
+  print(f"  E x^2: z = {z2:.2f} (arcsine, 1/2); z = {z_uniform:.1f} against the uniform law's 1/3")
+  assert abs(z2) < Z_ACCEPT and abs(_z(x, 0.0)) < Z_ACCEPT
+  # Power: the uniform law between the bounds is rejected on these samples.
+  assert abs(z_uniform) > Z_REJECT
+  assert _ks(x, _uniform_cdf, "(w - c)/r vs uniform (wrong)").pvalue < REJECT
+
+
+# UnitNorm, zero gradient, r = 0.5, tau = 0.25: on S^{n-1} the slowest mode
+# decays at tau (n - 1) / r^2 = n - 1 per unit time; od t = 10, ud t = 20.
+UNIT_FREE = {"quick": dict(units=10_000, od=(0.01, 1_000), ud=(0.05, 400)),
+             "slow": dict(units=200_000, od=(0.01, 2_000), ud=(0.05, 800))}
+
+
+def _beta_cdf(n):
+  """CDF of one coordinate of the uniform law on S^{n-1} (in R^n)."""
+  return lambda t: stats.beta.cdf((np.clip(t, -1, 1) + 1) / 2, (n - 1) / 2, (n - 1) / 2)
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("method", ["od", "ud"])
+def test_unit_norm_without_force_is_uniform_on_each_sphere(method, n, size):
+  r = 0.5
+  cfg = UNIT_FREE[size]
+  h, steps = cfg[method]
+  start = jnp.zeros((n, cfg["units"]), jnp.float32).at[0].set(r)  # every unit at one pole
+  w, _ = _samples(method, cola.UnitNorm(r), start, steps, h, 0.25, seed=40 + n)
+  x = w / r
+  np.testing.assert_allclose(np.sum(x * x, axis=0), 1.0, rtol=1e-6)
+  print(f"\nUnitNorm, S^{n - 1}, zero gradient, {method} ({size}):")
+  z = {}
+  for i in range(n):
+    z[f"x{i}"] = _z(x[i], 0.0)
+    z[f"x{i}^2"] = _z(x[i] ** 2, 1 / n)
+    z[f"x{i}^4"] = _z(x[i] ** 4, 3 / (n * (n + 2)))
+  z["x0 x1"] = _z(x[0] * x[1], 0.0)
+  worst = max(z, key=lambda k: abs(z[k]))
+  print(f"  {len(z)} moments, max |z| = {abs(z[worst]):.2f} at {worst}")
+  assert abs(z[worst]) < Z_ACCEPT
+  for i in range(n):
+    assert _ks(x[i], _beta_cdf(n), f"x{i} vs Beta({n - 1}/2, {n - 1}/2)").pvalue > ACCEPT
+  # Power: the law one dimension up (Sphere's slack sphere S^n) is rejected,
+  # and so is a chain stopped early (t = 0.1 od, 0.25 ud), still near the pole.
+  assert _ks(x[0], _beta_cdf(n + 1), "x0 vs the law on S^n (wrong)").pvalue < REJECT
+  early, _ = _samples(method, cola.UnitNorm(r), start, 10 if method == "od" else 5, h, 0.25,
+                      seed=40 + n)
+  assert abs(_z(early[0] / r, 0.0)) > Z_REJECT
+
+
+def _non_negative_cdf(k, c, tau, arc_length=True, grid=400_001):
+  """CDF of w for the density ``exp(-V/tau) sqrt(1 + 4w) / sqrt(w)``, ``V = k (w - c)^2 / 2``.
+
+  In ``s = sqrt(w)`` the density is ``exp(-V(s^2)/tau) sqrt(1 + 4 s^2)``, smooth
+  (trapezoid rule on a fine grid). ``arc_length=False`` drops the factor
+  ``sqrt(1 + 4 s^2)``: the WRONG law of a slack ``s`` with the flat measure ``ds``.
+  """
+  s = np.linspace(0.0, c + 12 * math.sqrt(tau / k) + 2, grid)
+  weight = np.exp(-0.5 * k * (s * s - c) ** 2 / tau)
+  if arc_length:
+    weight = weight * np.sqrt(1 + 4 * s * s)
+  cdf = np.concatenate([[0.0], np.cumsum(0.5 * (weight[1:] + weight[:-1]) * np.diff(s))])
+  return lambda w: np.interp(w, s * s, cdf / cdf[-1])
+
+
+def _gibbs_on_half_line_cdf(k, c, tau):
+  """The WRONG law ``exp(-V/tau)`` on ``w >= 0`` (flat measure in w)."""
+  grid = np.linspace(0.0, c + 12 * math.sqrt(tau / k) + 2, 400_001)
+  weight = np.exp(-0.5 * k * (grid - c) ** 2 / tau)
+  cdf = np.concatenate([[0.0], np.cumsum(0.5 * (weight[1:] + weight[:-1]) * np.diff(grid))])
+  return lambda w: np.interp(w, grid, cdf / cdf[-1])
+
+
+# V = k (w - c)^2 / 2 with k = 4, c = 0.5, tau = 0.25: w ranges over [0, ~1.5],
+# where sqrt(1 + 4w) varies from 1 to 2.6, and 1/sqrt(w) piles mass near 0. The
+# w marginal relaxes within t ~ 5 from w = c; od t = 20, ud t = 30. Bias
+# (measured, n = 2e4; KS noise ~0.006): od h = 0.01: D = 0.008, h = 0.004:
+# 0.006; ud h = 0.05: 0.005, h = 0.02: 0.008. The wrong laws: D = 0.06-0.09.
+NON_NEGATIVE_FORCE = {"quick": dict(n=10_000, od=(0.01, 2_000), ud=(0.05, 600)),
+                      "slow": dict(n=400_000, od=(0.0025, 8_000), ud=(0.0125, 2_400))}
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("method", ["od", "ud"])
+def test_non_negative_with_quadratic_potential_samples_the_derived_density(method, size):
+  k, c, tau = 4.0, 0.5, 0.25
+  cfg = NON_NEGATIVE_FORCE[size]
+  h, steps = cfg[method]
+  w, state = _samples(method, cola.NonNegative(), jnp.full((cfg["n"],), c, jnp.float32), steps,
+                      h, tau, seed=53, grad_fn=lambda p: k * (p - c))
+  slack = np.asarray(state.constraint_states.slack, np.float64)
+  print(f"\nNonNegative, V = k (w - c)^2 / 2, {method} ({size}): h = {h}, {steps} steps")
+  assert w.min() >= 0.0
+  # params + updates rounds w to ulps of its previous value: |w - s^2| is absolute below 1.
+  assert np.max(np.abs(w - slack**2) / np.maximum(w, 1)) <= 1e-6
+  assert _ks(w, _non_negative_cdf(k, c, tau), "w vs exp(-V/tau) sqrt(1+4w)/sqrt(w)").pvalue > ACCEPT
+  # The chains pass through w = 0 onto the other branch of the slack.
+  print(f"  fraction with s < 0: {np.mean(slack < 0):.3f}")
+  assert np.mean(slack < 0) > 0.3
+  # Power: the law without the arc-length factor, and exp(-V/tau) on w >= 0.
+  assert _ks(w, _non_negative_cdf(k, c, tau, arc_length=False),
+             "w without sqrt(1+4w) (wrong)").pvalue < REJECT
+  assert _ks(w, _gibbs_on_half_line_cdf(k, c, tau), "exp(-V/tau) on w >= 0 (wrong)").pvalue < REJECT
