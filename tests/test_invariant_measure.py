@@ -78,7 +78,7 @@ class _ArctanCircle(cola.Circle):
   """The paper's overdamped projection ``alpha = arctan(xi_bar / theta_bar)``.
 
   ``(theta, xi) = r (cos alpha, sin alpha)`` loses the quadrant: theta >= 0
-  always (NOTES.md, erratum 2). Used only to show that the tests reject it.
+  always (docs/errata.md, erratum 2). Used only to show that the tests reject it.
   """
 
   def project(self, anchor, step):
@@ -302,7 +302,7 @@ def _orthogonal_snapshots(method, cfg, shape, *, seed, grad_fn=None, burn_in=Non
   assert snaps.dtype == jnp.float32
   # The quasi-Newton projection met its tolerance (else the polar factor is
   # used and flagged) in nearly every step: it converges linearly, slowly for
-  # the largest noise draws (NOTES.md, erratum 5).
+  # the largest noise draws (docs/errata.md, erratum 5).
   failed = 1.0 - float(jnp.mean(converged))
   print(f"  projections not converged: {failed:.2g}")
   assert failed < 1e-3

@@ -83,3 +83,17 @@ def test_readme_block(block):
   for line, check in CLAIMS.items():
     if line in block + "```":
       check(namespace)
+
+
+def test_errata_cite_tests_that_exist():
+  """docs/errata.md names, for each item, the tests that show it (`tests/file.py::test`, or `::test` for the same file)."""
+  errata = (README.parent / "docs" / "errata.md").read_text()
+  cited, current = [], None
+  for path, name in re.findall(r"`(tests/[\w/]+\.py)?(?:::(\w+))?`", errata):
+    current = path or current
+    if path or name:
+      cited.append((current, name))
+  assert len(cited) >= 10
+  for path, name in cited:
+    source = (README.parent / path).read_text()
+    assert not name or f"def {name}(" in source, (path, name)
