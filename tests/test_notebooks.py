@@ -19,6 +19,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 # cola-jax's own requirements, and the module each installable distribution provides.
 CORE = {re.match(r"[\w-]+", r).group() for r in PROJECT["dependencies"]}
 MODULE = {"scikit-learn": "sklearn"}
+PIP_INSTALL = ["sys.executable", "'-m'", "'pip'", "'install'", "'-q'"]
 
 
 def _code(path):
@@ -41,8 +42,7 @@ def _imported(sources):
 def _pip_install_arguments(install_cell):
   """The requirements of the cell's ``[sys.executable, "-m", "pip", "install", "-q", ...]`` call, as source text."""
   for node in ast.walk(ast.parse(install_cell)):
-    if isinstance(node, ast.List) and [ast.unparse(e) for e in node.elts[:5]] == [
-        "sys.executable", "'-m'", "'pip'", "'install'", "'-q'"]:
+    if isinstance(node, ast.List) and [ast.unparse(e) for e in node.elts[:5]] == PIP_INSTALL:
       return [ast.unparse(e) for e in node.elts[5:]]
   raise AssertionError("no pip install call in the install cell")
 

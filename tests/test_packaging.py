@@ -16,7 +16,8 @@ import cola_jax
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PACKAGE = sorted(
-    str(p.relative_to(ROOT)) for p in (ROOT / "cola_jax").rglob("*") if p.suffix == ".py" or p.name == "py.typed")
+  str(p.relative_to(ROOT)) for p in (ROOT / "cola_jax").rglob("*") if p.suffix == ".py" or p.name == "py.typed"
+)
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +26,13 @@ def dists(tmp_path_factory):
   pytest.importorskip("build")
   tmp = tmp_path_factory.mktemp("dist")
   source = tmp / "source"
-  shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
-      ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache"))
-  subprocess.run(
-      [sys.executable, "-m", "build", "--no-isolation", "--sdist", "--wheel", "--outdir", str(tmp / "dist"), str(source)],
-      check=True, capture_output=True)
+  shutil.copytree(
+    ROOT,
+    source,
+    ignore=shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache"),
+  )
+  build = [sys.executable, "-m", "build", "--no-isolation", "--sdist", "--wheel", "--outdir", str(tmp / "dist")]
+  subprocess.run([*build, str(source)], check=True, capture_output=True)
   (wheel,), (sdist,) = (tmp / "dist").glob("*.whl"), (tmp / "dist").glob("*.tar.gz")
   return wheel, sdist
 

@@ -59,12 +59,12 @@ def _from_sgd_momentum(ns):
 
 
 CLAIMS = {  # a line of the block -> the check of what its comments say
-    'residuals = cola.constraint_residuals(params, state)': _orthonormal_kernel,
-    'residuals = cola.constraint_residuals(state.params, state.opt_state)': _linen,
-    'params, states = train_seeds(': _seeds,
-    'opt_state = tx.init(params)\n```': _sharded,
-    "opt_state.constraint_states['kernel'].converged": _implicit,
-    'h, gamma = cola.sgd_momentum_to_langevin(0.1, 0.9)': _from_sgd_momentum,
+  "residuals = cola.constraint_residuals(params, state)": _orthonormal_kernel,
+  "residuals = cola.constraint_residuals(state.params, state.opt_state)": _linen,
+  "params, states = train_seeds(": _seeds,
+  "opt_state = tx.init(params)\n```": _sharded,
+  "opt_state.constraint_states['kernel'].converged": _implicit,
+  "h, gamma = cola.sgd_momentum_to_langevin(0.1, 0.9)": _from_sgd_momentum,
 }
 
 
@@ -86,7 +86,7 @@ def test_readme_block(block):
 
 
 def test_errata_cite_tests_that_exist():
-  """docs/errata.md names, for each item, the tests that show it (`tests/file.py::test`, or `::test` for the same file)."""
+  """docs/errata.md names the tests that show each item (`tests/file.py::test`, `::test` for the same file)."""
   errata = (README.parent / "docs" / "errata.md").read_text()
   cited, current = [], None
   for path, name in re.findall(r"`(tests/[\w/]+\.py)?(?:::(\w+))?`", errata):
