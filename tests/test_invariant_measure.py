@@ -409,8 +409,17 @@ def _signed_permutations(rng, count, n, p):
   return q[..., :p]
 
 
-@pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("shape", [(4, 2), (2, 4), (3, 3)], ids=["tall4x2", "wide2x4", "square3x3"])
+# The quick suite samples the square case per method; the tall and wide cases
+# (each as long as the square one) run with the long versions, under -m slow.
+ORTHO_SHAPES = {"tall4x2": (4, 2), "wide2x4": (2, 4), "square3x3": (3, 3)}
+ORTHO_CASES = [
+    pytest.param(shape, size, id=f"{name}-{size}",
+                 marks=[] if (name, size) == ("square3x3", "quick") else [pytest.mark.slow])
+    for name, shape in ORTHO_SHAPES.items() for size in ("quick", "slow")
+]
+
+
+@pytest.mark.parametrize("shape,size", ORTHO_CASES)
 @pytest.mark.parametrize("method", ["od", "ud"])
 def test_orthogonal_without_force_samples_haar_moments(method, shape, size):
   cfg = _config(ORTHO_FREE, size, method)
