@@ -35,7 +35,8 @@ Each test also shows that it can fail: its statistic rejects a wrong answer
 law, the density without the surface-measure factor, a chain stopped too early,
 signed permutation matrices with the right second moments).
 
-``pytest`` runs the quick versions; ``pytest -m slow`` the long ones.
+``pytest`` runs the quick versions (for orthogonal matrices, the square case);
+``pytest -m slow`` the long ones and the tall and wide quick ones.
 """
 
 import dataclasses
