@@ -3,7 +3,7 @@
 Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of Neural
 Networks* (OPT2020), Sec. 4 (Table "NLPexp") and the appendix section "NLP".
 
-What the paper says (line numbers of ``shared/paper/000_95a1b20b8841eee1.txt``):
+What the paper says (by line of its LaTeX source):
 
 * l. 267 and l. 1710: a transformer with 2 encoder layers, each 2-head
   self-attention and a 200-node feed-forward network followed by layer norms;

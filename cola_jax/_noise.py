@@ -46,13 +46,13 @@ def normal(key: jax.Array, shape: tuple[int, ...], dtype, out_sharding=None) -> 
 
 def _threefry_words(key):
   """The two key words of a Threefry key, or None for other generators and modes."""
-  if not jax.config.jax_threefry_partitionable:
+  if not jax.config.jax_threefry_partitionable:  # pyright: ignore[reportAttributeAccessIssue]
     return None
   if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     if key.shape != () or "threefry" not in str(jax.random.key_impl(key)):
       return None
     key = jax.random.key_data(key)
-  elif jax.config.jax_default_prng_impl != "threefry2x32" or key.shape != (2,):
+  elif jax.config.jax_default_prng_impl != "threefry2x32" or key.shape != (2,):  # pyright: ignore[reportAttributeAccessIssue]
     return None
   return key[0], key[1]
 

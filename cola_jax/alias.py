@@ -37,7 +37,7 @@ def _per_leaf(spec, params, what: str, owner: str):
     raise ValueError(f"{owner}: {what} must be a pytree prefix of the parameters.\n{error}") from None
 
 
-def _constraints_per_leaf(owner: str, mask: MaskOrFn, make: Callable[[Any, str], Any], spec=True):
+def _constraints_per_leaf(owner: str, mask: MaskOrFn, make: Callable[[Any, str], Any], spec: Any = True):
   """A callable ``params -> tree of constraints``.
 
   A leaf gets ``make(leaf_spec, path)`` where ``mask`` is true and the leaf's

@@ -65,7 +65,7 @@ def test_circle_cotangent_projection_is_the_papers_projection():
 
 
 def test_circle_overdamped_projection_keeps_the_quadrant():
-  # NOTES.md erratum 2: cos(arctan(xi/theta)) >= 0 would flip negative weights.
+  # docs/errata.md, erratum 2: cos(arctan(xi/theta)) >= 0 would flip negative weights.
   r = 0.1
   theta = jnp.array([-0.09, -0.05, 0.05])
   c, point = circle_point(theta, r)
@@ -79,7 +79,7 @@ def test_circle_overdamped_projection_keeps_the_quadrant():
 
 
 def test_circle_underdamped_slack_momentum_is_damped_not_copied():
-  # NOTES.md erratum 1: the paper writes the slack momentum's O step from p^c.
+  # docs/errata.md, erratum 1: the paper writes the slack momentum's O step from p^c.
   # The stored tangential momentum v carries both (p^c, p^xi) = v (xi, -theta)/r,
   # and the O step must scale both by exp(-gamma h): v -> exp(-gamma h) v.
   c, point = circle_point(jnp.array([0.03]), 0.1)

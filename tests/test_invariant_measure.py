@@ -35,7 +35,8 @@ Each test also shows that it can fail: its statistic rejects a wrong answer
 law, the density without the surface-measure factor, a chain stopped too early,
 signed permutation matrices with the right second moments).
 
-``pytest`` runs the quick versions; ``pytest -m slow`` the long ones.
+``pytest`` runs the quick versions (for orthogonal matrices, the square case);
+``pytest -m slow`` the long ones and the tall and wide quick ones.
 """
 
 import dataclasses
@@ -78,7 +79,7 @@ class _ArctanCircle(cola.Circle):
   """The paper's overdamped projection ``alpha = arctan(xi_bar / theta_bar)``.
 
   ``(theta, xi) = r (cos alpha, sin alpha)`` loses the quadrant: theta >= 0
-  always (NOTES.md, erratum 2). Used only to show that the tests reject it.
+  always (docs/errata.md, erratum 2). Used only to show that the tests reject it.
   """
 
   def project(self, anchor, step):
@@ -302,7 +303,7 @@ def _orthogonal_snapshots(method, cfg, shape, *, seed, grad_fn=None, burn_in=Non
   assert snaps.dtype == jnp.float32
   # The quasi-Newton projection met its tolerance (else the polar factor is
   # used and flagged) in nearly every step: it converges linearly, slowly for
-  # the largest noise draws (NOTES.md, erratum 5).
+  # the largest noise draws (docs/errata.md, erratum 5).
   failed = 1.0 - float(jnp.mean(converged))
   print(f"  projections not converged: {failed:.2g}")
   assert failed < 1e-3
@@ -409,8 +410,17 @@ def _signed_permutations(rng, count, n, p):
   return q[..., :p]
 
 
-@pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("shape", [(4, 2), (2, 4), (3, 3)], ids=["tall4x2", "wide2x4", "square3x3"])
+# The quick suite samples the square case per method; the tall and wide cases
+# (each as long as the square one) run with the long versions, under -m slow.
+ORTHO_SHAPES = {"tall4x2": (4, 2), "wide2x4": (2, 4), "square3x3": (3, 3)}
+ORTHO_CASES = [
+    pytest.param(shape, size, id=f"{name}-{size}",
+                 marks=[] if (name, size) == ("square3x3", "quick") else [pytest.mark.slow])
+    for name, shape in ORTHO_SHAPES.items() for size in ("quick", "slow")
+]
+
+
+@pytest.mark.parametrize("shape,size", ORTHO_CASES)
 @pytest.mark.parametrize("method", ["od", "ud"])
 def test_orthogonal_without_force_samples_haar_moments(method, shape, size):
   cfg = _config(ORTHO_FREE, size, method)

@@ -10,6 +10,7 @@ import cola_jax as cola
 from cola_jax.constraints.orthogonal import gram_defect, tall_view
 
 STEPS = 10_000
+pytestmark = pytest.mark.slow  # 10,000 steps per method, 12-25 s each (measured on a loaded 2-core CPU)
 
 
 def train(tx, params, loss, steps):

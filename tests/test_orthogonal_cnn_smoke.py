@@ -137,6 +137,7 @@ def test_ocola_step_size_matches_sgdm_schedule(oc):
     assert float(tx_h(step)) ** 2 == pytest.approx(lr, rel=1e-5)
 
 
+@pytest.mark.slow  # compiling a ResNet step: 131 s here on a loaded 2-core CPU, the quick suite's longest test
 def test_resnet_one_step_keeps_its_constraints(oc):
   config = oc.Config(model="resnet18", dataset="cifar10", seeds=1, epochs=1, decay_epochs=(),
                      methods=("ocola_ud",), n_train=8, n_test=8, batch_size=8, width=4, augment=True)

@@ -30,7 +30,7 @@ def assert_trees_close(a, b, rtol, atol):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
-# Equivalences with optax at temperature 0 (NOTES.md, erratum 4).
+# Equivalences with optax at temperature 0 (docs/errata.md, item 4).
 
 
 def test_overdamped_without_constraints_is_sgd(mlp_problem):

@@ -15,7 +15,7 @@ The A step is the exact geodesic flow: a rotation of ``(theta, xi)`` by the
 angle ``h v / r``, with ``v`` unchanged. The overdamped projection is the
 orthogonal (radial) one, ``r (theta, xi) / |(theta, xi)|``, which keeps the
 quadrant (the paper's ``arctan(xi / theta)`` form does not; see
-``../shared/paper/NOTES.md``, erratum 2).
+``docs/errata.md``, erratum 2).
 
 Extreme input: the radial projection scales each pair by an exact power of
 two before squaring, so a step of any finite size lands on the circle on the
