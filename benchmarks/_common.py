@@ -20,13 +20,18 @@ import cola_jax
 def machine_info() -> dict:
   """Where a result was measured: platform, CPU, versions, thread settings, load."""
   info = {
-      "platform": platform.platform(), "processor": platform.processor(),
-      "machine": platform.machine(), "python": sys.version.split()[0],
-      "cpu_count": os.cpu_count(), "jax": jax.__version__, "optax": optax.__version__,
-      "cola_jax": cola_jax.__version__, "backend": jax.default_backend(),
-      "devices": [str(d) for d in jax.devices()],
-      "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"),
-      "XLA_FLAGS": os.environ.get("XLA_FLAGS"),
+    "platform": platform.platform(),
+    "processor": platform.processor(),
+    "machine": platform.machine(),
+    "python": sys.version.split()[0],
+    "cpu_count": os.cpu_count(),
+    "jax": jax.__version__,
+    "optax": optax.__version__,
+    "cola_jax": cola_jax.__version__,
+    "backend": jax.default_backend(),
+    "devices": [str(d) for d in jax.devices()],
+    "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"),
+    "XLA_FLAGS": os.environ.get("XLA_FLAGS"),
   }
   try:
     with open("/proc/cpuinfo") as f:
@@ -79,12 +84,12 @@ def provenance(argv: list, start: float, packages: tuple = ()) -> dict:
   time since ``start`` (a ``time.perf_counter()`` reading)."""
   names = ("jax", "jaxlib", *packages, "optax", "numpy", "cola_jax")
   return {
-      "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv[:1], *argv]),
-      "argv": argv,
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "machine": machine_info(),
-      "versions": {name: __import__(name).__version__ for name in names},
-      "wall_time_s": time.perf_counter() - start,
+    "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv[:1], *argv]),
+    "argv": argv,
+    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    "machine": machine_info(),
+    "versions": {name: __import__(name).__version__ for name in names},
+    "wall_time_s": time.perf_counter() - start,
   }
 
 

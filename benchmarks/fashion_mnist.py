@@ -53,10 +53,16 @@ CONSTRAINTS = models.path_rules({f"{layer}/kernel": cola.Circle(r) for layer, r 
 GRID = ((0.2, 0.8), (0.2, 0.7), (0.1, 0.9), (0.1, 0.8), (0.1, 0.7), (0.05, 0.95), (0.05, 0.9), (0.05, 0.8))
 WEIGHT_DECAY = 1e-4
 # Published test accuracy (%) and test loss after 400 epochs, mean of 5 runs: (h, mom) -> without, with WD.
-_TABLE = {(0.2, 0.8): (87.18, 1.06, 84.05, 0.696), (0.2, 0.7): (87.38, 0.890, 87.0, 0.547),
-          (0.1, 0.9): (86.97, 1.133, 85.35, 0.634), (0.1, 0.8): (87.39, 0.824, 87.47, 0.531),
-          (0.1, 0.7): (87.39, 0.750, 87.25, 0.517), (0.05, 0.95): (86.67, 1.226, 85.63, 0.623),
-          (0.05, 0.9): (87.33, 0.837, 86.24, 0.569), (0.05, 0.8): (87.27, 0.719, 87.33, 0.511)}
+_TABLE = {
+  (0.2, 0.8): (87.18, 1.06, 84.05, 0.696),
+  (0.2, 0.7): (87.38, 0.890, 87.0, 0.547),
+  (0.1, 0.9): (86.97, 1.133, 85.35, 0.634),
+  (0.1, 0.8): (87.39, 0.824, 87.47, 0.531),
+  (0.1, 0.7): (87.39, 0.750, 87.25, 0.517),
+  (0.05, 0.95): (86.67, 1.226, 85.63, 0.623),
+  (0.05, 0.9): (87.33, 0.837, 86.24, 0.569),
+  (0.05, 0.8): (87.27, 0.719, 87.33, 0.511),
+}
 MODEL = models.MLP((1000, 10))
 SMOKE = {"seeds": 2, "epochs": 2, "eval_every": 1, "n_train": 2000, "n_test": 2000}
 LAST_RUN_PARAMS: dict = {}  # main() leaves each method's final parameters here (leading seed axis)
@@ -81,11 +87,16 @@ def parse_method(method: str) -> dict:
   try:
     if parts[0] != "sgdm" or parts[1][0] != "h" or parts[2][0] != "m" or parts[3:] not in ([], ["wd"]):
       raise ValueError
-    return {"kind": "sgdm", "lr": float(parts[1][1:]), "momentum": float(parts[2][1:]),
-            "wd": WEIGHT_DECAY if parts[3:] else 0.0}
+    return {
+      "kind": "sgdm",
+      "lr": float(parts[1][1:]),
+      "momentum": float(parts[2][1:]),
+      "wd": WEIGHT_DECAY if parts[3:] else 0.0,
+    }
   except (ValueError, IndexError):
-    raise ValueError(f"unknown method {method!r}: 'ccola_ud' or 'sgdm_h<lr>_m<momentum>[_wd]', "
-                     f"e.g. {DEFAULT_METHODS[1]}") from None
+    raise ValueError(
+      f"unknown method {method!r}: 'ccola_ud' or 'sgdm_h<lr>_m<momentum>[_wd]', e.g. {DEFAULT_METHODS[1]}"
+    ) from None
 
 
 def describe(method: str) -> str:
@@ -113,15 +124,23 @@ def max_abs_weight(params) -> dict:
 
 
 def parse_args(argv):
-  p = cli.parser("The paper's Fashion-MNIST experiment: c-CoLA-ud vs SGD-m (with and without weight decay) "
-                 "on a 784-1000-10 ReLU MLP, 10k training and 60k test images (all seeds of a method at once).",
-                 seeds=5, epochs=400, out="results/",
-                 smoke=f"{SMOKE['seeds']} seeds, {SMOKE['epochs']} epochs, {SMOKE['n_train']} train / "
-                       f"{SMOKE['n_test']} test images; synthetic data when the IDX files are missing")
-  p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                 help="comma list of 'ccola_ud' and 'sgdm_h<lr>_m<momentum>[_wd]'")
-  p.add_argument("--grid", action="store_true",
-                 help="add the appendix table's SGD-m grid (8 (h, mom) pairs, with and without WD 1e-4)")
+  p = cli.parser(
+    "The paper's Fashion-MNIST experiment: c-CoLA-ud vs SGD-m (with and without weight decay) "
+    "on a 784-1000-10 ReLU MLP, 10k training and 60k test images (all seeds of a method at once).",
+    seeds=5,
+    epochs=400,
+    out="results/",
+    smoke=f"{SMOKE['seeds']} seeds, {SMOKE['epochs']} epochs, {SMOKE['n_train']} train / "
+    f"{SMOKE['n_test']} test images; synthetic data when the IDX files are missing",
+  )
+  p.add_argument(
+    "--methods", default=",".join(DEFAULT_METHODS), help="comma list of 'ccola_ud' and 'sgdm_h<lr>_m<momentum>[_wd]'"
+  )
+  p.add_argument(
+    "--grid",
+    action="store_true",
+    help="add the appendix table's SGD-m grid (8 (h, mom) pairs, with and without WD 1e-4)",
+  )
   p.add_argument("--data-dir", default=data.FASHION_MNIST_DIR, help="folder with the four Fashion-MNIST IDX files")
   p.add_argument("--synthetic", action="store_true", help="a synthetic stand-in of the same shapes (testing only)")
   p.add_argument("--n-train", type=int, default=10_000, help="training images (the first of the official set)")
@@ -149,27 +168,51 @@ def main(argv: Sequence[str] | None = None) -> dict:
   args = parse_args(argv)
   start = time.perf_counter()
   try:
-    dataset = data.fashion_mnist(args.data_dir, args.n_train, args.n_test, allow_synthetic=args.smoke,
-                                 synthetic=args.synthetic)
+    dataset = data.fashion_mnist(
+      args.data_dir, args.n_train, args.n_test, allow_synthetic=args.smoke, synthetic=args.synthetic
+    )
   except FileNotFoundError as error:
     sys.exit(f"error: {error}")
   out_dir = report.output_dir(args.out if args.out or args.smoke else "results/", "fashion_mnist")
-  runs = {m: train.Run(init_params=init_params, apply_fn=lambda p, x: MODEL.apply({"params": p}, x),
-                       make_tx=lambda member, key, m=m: make_optimizer(m), objective=train.SOFTMAX, data=dataset,
-                       members={"seed": np.arange(args.seeds)}, batch_size=128, eval_every=args.eval_every,
-                       probes=max_abs_weight) for m in args.methods}
+  runs = {
+    m: train.Run(
+      init_params=init_params,
+      apply_fn=lambda p, x: MODEL.apply({"params": p}, x),
+      make_tx=lambda member, key, m=m: make_optimizer(m),
+      objective=train.SOFTMAX,
+      data=dataset,
+      members={"seed": np.arange(args.seeds)},
+      batch_size=128,
+      eval_every=args.eval_every,
+      probes=max_abs_weight,
+    )
+    for m in args.methods
+  }
   first = next(iter(runs.values()))
-  config = {"seeds": args.seeds, "epochs": args.epochs, "methods": list(args.methods), "n_train": args.n_train,
-            "n_test": args.n_test, "hidden": 1000, "batch_size": 128, "eval_every": args.eval_every,
-            "steps_per_epoch": first.steps_per_epoch, "last_batch_size": first.last_batch_size,
-            "init": "PyTorch nn.Linear default: W, b ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)); c-CoLA-ud's slack "
-                    "xi = sqrt(r^2 - w^2) (no weight is clipped: 1/sqrt(784) < 0.05)",
-            "ccola_ud": {"learning_rate": 0.3, "friction": 1.0, "radius": RADII, "temperature": 0.0,
-                         "sgd_momentum_equivalent": dict(zip(("learning_rate", "momentum"),
-                                                             cola.langevin_to_sgd_momentum(0.3, 1.0)))},
-            "weight_decay": f"{WEIGHT_DECAY} on every parameter (biases included), added to the gradient "
-                            "before momentum, as torch.optim.SGD(weight_decay=...)",
-            "pairing": "seed s fixes init and minibatch order, the same for every method"}
+  config = {
+    "seeds": args.seeds,
+    "epochs": args.epochs,
+    "methods": list(args.methods),
+    "n_train": args.n_train,
+    "n_test": args.n_test,
+    "hidden": 1000,
+    "batch_size": 128,
+    "eval_every": args.eval_every,
+    "steps_per_epoch": first.steps_per_epoch,
+    "last_batch_size": first.last_batch_size,
+    "init": "PyTorch nn.Linear default: W, b ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)); c-CoLA-ud's slack "
+    "xi = sqrt(r^2 - w^2) (no weight is clipped: 1/sqrt(784) < 0.05)",
+    "ccola_ud": {
+      "learning_rate": 0.3,
+      "friction": 1.0,
+      "radius": RADII,
+      "temperature": 0.0,
+      "sgd_momentum_equivalent": dict(zip(("learning_rate", "momentum"), cola.langevin_to_sgd_momentum(0.3, 1.0))),
+    },
+    "weight_decay": f"{WEIGHT_DECAY} on every parameter (biases included), added to the gradient "
+    "before momentum, as torch.optim.SGD(weight_decay=...)",
+    "pairing": "seed s fixes init and minibatch order, the same for every method",
+  }
   json_path, png_path = os.path.join(out_dir, "fashion_mnist.json"), os.path.join(out_dir, "fashion_mnist.png")
 
   def write(status: str) -> dict:
@@ -179,25 +222,41 @@ def main(argv: Sequence[str] | None = None) -> dict:
         results[m] = {}
         continue
       history = run.rows(slice(None))
-      results[m] = {**report.entry(history, finals=("epoch_mean_batch_loss",)),
-                    "max_abs_weight": {k: report.finite_list(history[f"max_abs_w_{k}"][-1]) for k in RADII},
-                    "compile_time_s": run.compile_s, "run_time_s": run.run_s,
-                    "time_per_epoch_s": run.run_s / run.epochs_done, "hyperparameters": parse_method(m)}
-    out = {"schema_version": SCHEMA_VERSION,
-           "experiment": "Fashion-MNIST (Leimkuhler et al., Constraint-Based Regularization of Neural Networks, "
-                         "Fig. 5 and appendix 'Circle constraints' table)",
-           "status": status, "config": {**config, "epochs_completed": min(r.epochs_done for r in runs.values())},
-           "data": dataset.info, "methods": {m: describe(m) for m in args.methods},
-           "seeds": list(range(args.seeds)), "results": results,
-           "summary": {m: report.summary(r) for m, r in results.items() if r},
-           "published": {m: {"test_accuracy_percent": PUBLISHED[m][0], "test_loss": PUBLISHED[m][1]}
-                         for m in args.methods if m in PUBLISHED},
-           **report.provenance(argv, start, packages=("flax",))}
+      results[m] = {
+        **report.entry(history, finals=("epoch_mean_batch_loss",)),
+        "max_abs_weight": {k: report.finite_list(history[f"max_abs_w_{k}"][-1]) for k in RADII},
+        "compile_time_s": run.compile_s,
+        "run_time_s": run.run_s,
+        "time_per_epoch_s": run.run_s / run.epochs_done,
+        "hyperparameters": parse_method(m),
+      }
+    out = {
+      "schema_version": SCHEMA_VERSION,
+      "experiment": "Fashion-MNIST (Leimkuhler et al., Constraint-Based Regularization of Neural Networks, "
+      "Fig. 5 and appendix 'Circle constraints' table)",
+      "status": status,
+      "config": {**config, "epochs_completed": min(r.epochs_done for r in runs.values())},
+      "data": dataset.info,
+      "methods": {m: describe(m) for m in args.methods},
+      "seeds": list(range(args.seeds)),
+      "results": results,
+      "summary": {m: report.summary(r) for m, r in results.items() if r},
+      "published": {
+        m: {"test_accuracy_percent": PUBLISHED[m][0], "test_loss": PUBLISHED[m][1]}
+        for m in args.methods
+        if m in PUBLISHED
+      },
+      **report.provenance(argv, start, packages=("flax",)),
+    }
     report.write_json(json_path, out)
-    report.plot_curves(png_path, [("test_loss", "test loss (cross-entropy)"), ("test_accuracy", "test accuracy")],
-                       {m: r for m, r in results.items() if r}, {m: describe(m) for m in args.methods},
-                       f"{'SYNTHETIC stand-in' if dataset.info['synthetic'] else 'Fashion-MNIST'}, {args.n_train} "
-                       f"train / {args.n_test} test images, 784-1000-10 ReLU MLP, batch 128, {args.seeds} seeds")
+    report.plot_curves(
+      png_path,
+      [("test_loss", "test loss (cross-entropy)"), ("test_accuracy", "test accuracy")],
+      {m: r for m, r in results.items() if r},
+      {m: describe(m) for m in args.methods},
+      f"{'SYNTHETIC stand-in' if dataset.info['synthetic'] else 'Fashion-MNIST'}, {args.n_train} "
+      f"train / {args.n_test} test images, 784-1000-10 ReLU MLP, batch 128, {args.seeds} seeds",
+    )
     return out
 
   bar = report.progress(len(runs) * (args.epochs // args.eval_every), args.quiet)
@@ -206,12 +265,22 @@ def main(argv: Sequence[str] | None = None) -> dict:
   LAST_RUN_PARAMS.clear()
   LAST_RUN_PARAMS.update({m: run.params for m, run in runs.items()})
   out = write("complete")
-  rows = [[describe(m), report.pm(r["test_accuracy"], 100, 2), report.pm(r["best_test_accuracy"], 100, 2),
-           report.pm(r["test_loss"]), report.pm(r["min_test_loss"]),
-           f"{PUBLISHED[m][0]:.2f} % / {PUBLISHED[m][1]:.3f}" if m in PUBLISHED else "-"] for m, r in out["results"].items()]
+  rows = [
+    [
+      describe(m),
+      report.pm(r["test_accuracy"], 100, 2),
+      report.pm(r["best_test_accuracy"], 100, 2),
+      report.pm(r["test_loss"]),
+      report.pm(r["min_test_loss"]),
+      f"{PUBLISHED[m][0]:.2f} % / {PUBLISHED[m][1]:.3f}" if m in PUBLISHED else "-",
+    ]
+    for m, r in out["results"].items()
+  ]
   print(report.table(rows, ["method", "test acc %", "best test acc %", "test loss", "min test loss", "published"]))
-  print(("NOTE: synthetic stand-in data, not Fashion-MNIST\n" if dataset.info["synthetic"] else "")
-        + f"wall time {out['wall_time_s']:.1f} s; wrote {json_path} and {png_path}")
+  print(
+    ("NOTE: synthetic stand-in data, not Fashion-MNIST\n" if dataset.info["synthetic"] else "")
+    + f"wall time {out['wall_time_s']:.1f} s; wrote {json_path} and {png_path}"
+  )
   return out
 
 

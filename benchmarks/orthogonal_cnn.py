@@ -106,22 +106,23 @@ import pathlib
 import pickle
 import sys
 import time
-from typing import Any, NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import linen as nn  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import linen as nn
 
-import cola_jax as cola  # noqa: E402
+import cola_jax as cola
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
-from harness.report import output_dir  # noqa: E402
-from _common import finite_list, mean_std, mean_std_fields, provenance, write_json  # noqa: E402
-from harness import data as harness_data  # noqa: E402
+from _common import finite_list, mean_std, mean_std_fields, provenance, write_json
+from harness import data as harness_data
+from harness.report import output_dir
 
 SCHEMA_VERSION = 1
 METHODS = ("ocola_ud", "sgdm", "sgdm_wd")
@@ -138,8 +139,10 @@ DATASETS = ("fashion_mnist", "cifar10")
 DEFAULT_EPOCHS, DEFAULT_SEEDS = 18, 3
 SMOKE = dict(seeds=2, epochs=2, n_train=256, n_test=256, batch_size=64, width=4)
 IDX_KEYS = ("train_images", "train_labels", "test_images", "test_labels")
-CIFAR_FILES = {"py": ([f"data_batch_{i}" for i in range(1, 6)], "test_batch"),
-               "bin": ([f"data_batch_{i}.bin" for i in range(1, 6)], "test_batch.bin")}
+CIFAR_FILES = {
+  "py": ([f"data_batch_{i}" for i in range(1, 6)], "test_batch"),
+  "bin": ([f"data_batch_{i}.bin" for i in range(1, 6)], "test_batch.bin"),
+}
 
 # main() leaves its runs here: LAST_RUN[method] = {'init': [variables per seed],
 # 'final': [variables per seed], 'opt_state': [final optimizer state per seed]}.
@@ -148,9 +151,11 @@ LAST_RUN: dict = {}
 
 def describe(method: str) -> str:
   h = math.sqrt(SGD_LR)
-  return {"ocola_ud": f"o-CoLA-ud h={h:.3f} gamma={FRICTION:g} tau=0",
-          "sgdm": f"SGD-m lr={SGD_LR:g} mom={MOMENTUM:g}",
-          "sgdm_wd": f"SGD-m lr={SGD_LR:g} mom={MOMENTUM:g} WD {WEIGHT_DECAY:g}"}[method]
+  return {
+    "ocola_ud": f"o-CoLA-ud h={h:.3f} gamma={FRICTION:g} tau=0",
+    "sgdm": f"SGD-m lr={SGD_LR:g} mom={MOMENTUM:g}",
+    "sgdm_wd": f"SGD-m lr={SGD_LR:g} mom={MOMENTUM:g} WD {WEIGHT_DECAY:g}",
+  }[method]
 
 
 class Config(NamedTuple):
@@ -256,13 +261,14 @@ def torch_init(key, shapes) -> tuple[dict, dict]:
     module, name = _path_name(path[:-1]), _path_name(path[-1:])
     if module in kernels:
       bound = 1.0 / math.sqrt(math.prod(kernels[module][:-1]))
-      values.append(bound * draws[start:start + s.size].reshape(s.shape))
+      values.append(bound * draws[start : start + s.size].reshape(s.shape))
       start += s.size
     else:  # BatchNorm
       values.append(np.full(s.shape, 1.0 if name == "scale" else 0.0, np.float32))
   batch_stats = jax.tree_util.tree_map_with_path(
-      lambda path, s: jnp.full(s.shape, 1.0 if _path_name(path[-1:]) == "var" else 0.0, s.dtype),
-      shapes.get("batch_stats", {}))
+    lambda path, s: jnp.full(s.shape, 1.0 if _path_name(path[-1:]) == "var" else 0.0, s.dtype),
+    shapes.get("batch_stats", {}),
+  )
   return jax.tree.map(jnp.asarray, treedef.unflatten(values)), batch_stats
 
 
@@ -273,8 +279,9 @@ def _path_name(path) -> str:
 def orthogonal_mask(params) -> Any:
   """True on every conv kernel (4-d ``kernel`` leaf) but the first conv's."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, p: p.ndim == 4 and _path_name(path).endswith("kernel")
-      and _path_name(path).split("/")[0] != FREE_CONV, params)
+    lambda path, p: p.ndim == 4 and _path_name(path).endswith("kernel") and _path_name(path).split("/")[0] != FREE_CONV,
+    params,
+  )
 
 
 def conv_kernels(params) -> dict:
@@ -333,10 +340,13 @@ def synthetic_images(n_train: int, n_test: int, shape: tuple, seed: int = 0):
   return draw(n_train), draw(n_test)
 
 
-def find_cifar10(data_dir: str) -> Optional[tuple[str, dict]]:
+def find_cifar10(data_dir: str) -> tuple[str, dict] | None:
   """``(format, {'train': [paths], 'test': path})`` of the CIFAR-10 batches, or None."""
-  for directory in (data_dir, os.path.join(data_dir, "cifar-10-batches-py"),
-                    os.path.join(data_dir, "cifar-10-batches-bin")):
+  for directory in (
+    data_dir,
+    os.path.join(data_dir, "cifar-10-batches-py"),
+    os.path.join(data_dir, "cifar-10-batches-bin"),
+  ):
     for fmt, (train, test) in CIFAR_FILES.items():
       paths = [os.path.join(directory, f) for f in (*train, test)]
       if all(os.path.isfile(p) for p in paths):
@@ -357,27 +367,31 @@ def read_cifar10_batch(path: str, fmt: str):
   return x.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1), y
 
 
-def load_cifar10(data_dir: Optional[str]):
+def load_cifar10(data_dir: str | None):
   """The 50k training and 10k test images and labels, and the files read."""
   found = find_cifar10(data_dir) if data_dir else None
   if found is None:
     raise FileNotFoundError(
-        f"CIFAR-10 batches not found in {data_dir!r}: pass --data-dir DIR holding the python "
-        "(data_batch_1..5, test_batch) or binary (data_batch_1.bin..5.bin, test_batch.bin) "
-        "batches, or their cifar-10-batches-py / cifar-10-batches-bin folder.")
+      f"CIFAR-10 batches not found in {data_dir!r}: pass --data-dir DIR holding the python "
+      "(data_batch_1..5, test_batch) or binary (data_batch_1.bin..5.bin, test_batch.bin) "
+      "batches, or their cifar-10-batches-py / cifar-10-batches-bin folder."
+    )
   fmt, paths = found
   parts = [read_cifar10_batch(p, fmt) for p in paths["train"]]
   train = (np.concatenate([x for x, _ in parts]), np.concatenate([y for _, y in parts]))
   return train, read_cifar10_batch(paths["test"], fmt), {"format": fmt, **paths}
 
 
-def make_data(config: Config, data_dir: Optional[str], synthetic: bool):
+def make_data(config: Config, data_dir: str | None, synthetic: bool):
   """``(train, test, info)``: ``(uint8 images (n, h, w, c), int32 labels)`` each."""
   shape = (28, 28, 1) if config.dataset == "fashion_mnist" else (32, 32, 3)
   if synthetic:
     train, test = synthetic_images(config.n_train, config.n_test, shape)
-    info = {"source": f"SYNTHETIC stand-in ({'x'.join(map(str, shape))} class prototypes + noise); "
-                      "numbers are meaningless for the paper", "synthetic": True}
+    info = {
+      "source": f"SYNTHETIC stand-in ({'x'.join(map(str, shape))} class prototypes + noise); "
+      "numbers are meaningless for the paper",
+      "synthetic": True,
+    }
   elif config.dataset == "fashion_mnist":
     directory = data_dir or harness_data.FASHION_MNIST_DIR
     paths = harness_data.find_idx_files(directory)
@@ -392,11 +406,14 @@ def make_data(config: Config, data_dir: Optional[str], synthetic: bool):
   for name, (x, _), n in (("train", train, config.n_train), ("test", test, config.n_test)):
     if n > len(x):
       raise ValueError(f"--n-{name} {n} but the {name} set has {len(x)} images")
-  train, test = (train[0][:config.n_train], train[1][:config.n_train]), (test[0][:config.n_test],
-                                                                          test[1][:config.n_test])
+  train, test = (
+    (train[0][: config.n_train], train[1][: config.n_train]),
+    (test[0][: config.n_test], test[1][: config.n_test]),
+  )
   if not synthetic:
-    info.update(train=f"official training images 0..{config.n_train - 1}",
-                test=f"official test images 0..{config.n_test - 1}")
+    info.update(
+      train=f"official training images 0..{config.n_train - 1}", test=f"official test images 0..{config.n_test - 1}"
+    )
   return train, test, info
 
 
@@ -440,8 +457,7 @@ def build(method: str, model: nn.Module, config: Config, stats, sample_shape):
   mean, std = (jnp.asarray(s) for s in stats)
   prepare = lambda x: (x.astype(jnp.float32) / 255.0 - mean) / std
 
-  shapes = jax.eval_shape(functools.partial(model.init, train=False), jax.random.key(0),
-                          jnp.zeros((1, *sample_shape)))
+  shapes = jax.eval_shape(functools.partial(model.init, train=False), jax.random.key(0), jnp.zeros((1, *sample_shape)))
   tx_init = jax.jit(tx.init)
 
   def init(seed):
@@ -449,8 +465,9 @@ def build(method: str, model: nn.Module, config: Config, stats, sample_shape):
     return params, batch_stats, tx_init(params)
 
   def loss_fn(params, batch_stats, x, y):
-    logits, mutated = model.apply({"params": params, "batch_stats": batch_stats}, x, train=True,
-                                  mutable=["batch_stats"])
+    logits, mutated = model.apply(
+      {"params": params, "batch_stats": batch_stats}, x, train=True, mutable=["batch_stats"]
+    )
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
     return loss, (jnp.mean(jnp.argmax(logits, -1) == y), mutated["batch_stats"])
 
@@ -461,8 +478,7 @@ def build(method: str, model: nn.Module, config: Config, stats, sample_shape):
     x = prepare(images[idx])
     if config.augment:
       x = augment(jax.random.fold_in(augment_key, step), x)
-    (loss, (acc, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        params, batch_stats, x, labels[idx])
+    (loss, (acc, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch_stats, x, labels[idx])
     updates, opt_state = tx.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), batch_stats, opt_state), (loss, acc)
 
@@ -480,7 +496,7 @@ def eval_chunks(x: np.ndarray, y: np.ndarray, size: int):
   size = min(size, len(x))
   chunks = []
   for start in range(0, len(x), size):
-    xb, yb = x[start:start + size], y[start:start + size]
+    xb, yb = x[start : start + size], y[start : start + size]
     pad = size - len(xb)
     weight = np.r_[np.ones(len(xb)), np.zeros(pad)].astype(np.float32)
     xb = np.concatenate([xb, np.zeros((pad, *xb.shape[1:]), xb.dtype)])
@@ -505,8 +521,7 @@ class Run:
     self.init_variables = jax.device_get(self.carry[:2])
     self.order_key = seed_keys(seed)[1]
     self.epoch = 0
-    self.history = {"epoch": [], "test_accuracy": [], "test_loss": [], "train_loss": [],
-                    "train_batch_accuracy": []}
+    self.history = {"epoch": [], "test_accuracy": [], "test_loss": [], "train_loss": [], "train_batch_accuracy": []}
     self.time_s = 0.0
 
   def train(self, epochs: int, images, labels, chunks) -> None:
@@ -523,8 +538,13 @@ class Run:
       self.epoch += 1
     loss, acc = (float(jnp.mean(jnp.stack([m[i] for m in metrics]))) for i in (0, 1))
     test_loss, test_acc = evaluate(self.eval_chunk, *self.carry[:2], chunks, self.config.n_test)
-    for key, value in (("epoch", self.epoch), ("test_accuracy", test_acc), ("test_loss", test_loss),
-                       ("train_loss", loss), ("train_batch_accuracy", acc)):
+    for key, value in (
+      ("epoch", self.epoch),
+      ("test_accuracy", test_acc),
+      ("test_loss", test_loss),
+      ("train_loss", loss),
+      ("train_batch_accuracy", acc),
+    ):
       self.history[key].append(value)
     self.time_s += time.perf_counter() - t0
 
@@ -547,35 +567,33 @@ def _entry(runs: list, method: str) -> dict:
   kernels = [conv_kernels(r.carry[0]) for r in runs]
   init_kernels = [conv_kernels(r.init_variables[0]) for r in runs]
   entry = {
-      "test_accuracy": finite_list(acc[-1]), "test_loss": finite_list(loss[-1]),
-      "best_test_accuracy": finite_list(np.nanmax(acc, 0)),
-      "best_test_accuracy_epoch": _epoch_of(np.nanargmax, acc, epochs),
-      "min_test_loss": finite_list(np.nanmin(loss, 0)),
-      "min_test_loss_epoch": _epoch_of(np.nanargmin, loss, epochs),
-      "train_loss": finite_list(hist["train_loss"][-1]),
-      "train_batch_accuracy": finite_list(hist["train_batch_accuracy"][-1]),
-      "history": {"epoch": epochs, **{k: finite_list(hist[k]) for k in hist if k != "epoch"}},
-      "orthogonality_defect": {name: [orthogonality_defect(k[name]) for k in kernels]
-                               for name in kernels[0]},
-      "init_orthogonality_defect": {name: [orthogonality_defect(k[name]) for k in init_kernels]
-                                    for name in kernels[0]},
-      "init_param_l2": [float(np.sqrt(sum(np.sum(np.asarray(p, np.float64) ** 2)
-                                          for p in jax.tree.leaves(r.init_variables[0]))))
-                        for r in runs],
-      "time_s": [r.time_s for r in runs],
-      "time_per_epoch_s": float(np.mean([r.time_s / r.epoch for r in runs])),
+    "test_accuracy": finite_list(acc[-1]),
+    "test_loss": finite_list(loss[-1]),
+    "best_test_accuracy": finite_list(np.nanmax(acc, 0)),
+    "best_test_accuracy_epoch": _epoch_of(np.nanargmax, acc, epochs),
+    "min_test_loss": finite_list(np.nanmin(loss, 0)),
+    "min_test_loss_epoch": _epoch_of(np.nanargmin, loss, epochs),
+    "train_loss": finite_list(hist["train_loss"][-1]),
+    "train_batch_accuracy": finite_list(hist["train_batch_accuracy"][-1]),
+    "history": {"epoch": epochs, **{k: finite_list(hist[k]) for k in hist if k != "epoch"}},
+    "orthogonality_defect": {name: [orthogonality_defect(k[name]) for k in kernels] for name in kernels[0]},
+    "init_orthogonality_defect": {name: [orthogonality_defect(k[name]) for k in init_kernels] for name in kernels[0]},
+    "init_param_l2": [
+      float(np.sqrt(sum(np.sum(np.asarray(p, np.float64) ** 2) for p in jax.tree.leaves(r.init_variables[0]))))
+      for r in runs
+    ],
+    "time_s": [r.time_s for r in runs],
+    "time_per_epoch_s": float(np.mean([r.time_s / r.epoch for r in runs])),
   }
   if method == "ocola_ud":
     residuals = [cola.constraint_residuals(r.carry[0], r.carry[2]) for r in runs]
-    flat = [{_path_name(p): float(v) for p, v in jax.tree_util.tree_flatten_with_path(res)[0]}
-            for res in residuals]
+    flat = [{_path_name(p): float(v) for p, v in jax.tree_util.tree_flatten_with_path(res)[0]} for res in residuals]
     entry["constraint_residuals"] = {name: [f[name] for f in flat] for name in flat[0]}
   return entry
 
 
 def summarize(entry: dict) -> dict:
-  out = mean_std_fields(entry, ("test_accuracy", "best_test_accuracy", "test_loss",
-                                "min_test_loss", "train_loss"))
+  out = mean_std_fields(entry, ("test_accuracy", "best_test_accuracy", "test_loss", "min_test_loss", "train_loss"))
   if "constraint_residuals" in entry:
     residual = max(max(v) for v in entry["constraint_residuals"].values())
     out["max_constraint_residual"] = None if math.isnan(residual) else residual
@@ -584,25 +602,29 @@ def summarize(entry: dict) -> dict:
 
 def summary_table(results: dict, methods: Sequence[str]) -> str:
   name_w = max(len(describe(m)) for m in methods)
-  head = (f"{'method':<{name_w}}  {'final test acc %':>16}  {'best test acc %':>16}  "
-          f"{'final test loss':>16}  {'min test loss':>16}  {'max|QtQ-I|':>10}")
+  head = (
+    f"{'method':<{name_w}}  {'final test acc %':>16}  {'best test acc %':>16}  "
+    f"{'final test loss':>16}  {'min test loss':>16}  {'max|QtQ-I|':>10}"
+  )
   lines = [head, "-" * len(head)]
   for m in methods:
     r, cells = results[m], []
-    for key, scale in (("test_accuracy", 100), ("best_test_accuracy", 100), ("test_loss", 1),
-                       ("min_test_loss", 1)):
+    for key, scale in (("test_accuracy", 100), ("best_test_accuracy", 100), ("test_loss", 1), ("min_test_loss", 1)):
       mean, std = mean_std(r[key])
-      cells.append(f"{scale * mean:6.2f} ± {scale * std:5.2f}" if scale == 100 else
-                   f"{mean:6.3f} ± {std:5.3f}")
+      cells.append(f"{scale * mean:6.2f} ± {scale * std:5.2f}" if scale == 100 else f"{mean:6.3f} ± {std:5.3f}")
     residual = summarize(r).get("max_constraint_residual")
-    lines.append(f"{describe(m):<{name_w}}  " + "  ".join(f"{c:>16}" for c in cells)
-                 + f"  {'-' if residual is None else f'{residual:.1e}':>10}")
+    lines.append(
+      f"{describe(m):<{name_w}}  "
+      + "  ".join(f"{c:>16}" for c in cells)
+      + f"  {'-' if residual is None else f'{residual:.1e}':>10}"
+    )
   return "\n".join(lines)
 
 
 def plot(results: dict, config: dict, path: str, data_info: dict) -> None:
   """Train loss, test loss and test accuracy per method (mean ± std over seeds), as the paper's figure."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
@@ -615,8 +637,14 @@ def plot(results: dict, config: dict, path: str, data_info: dict) -> None:
     for ax, key, scale in zip(axes, ("train_loss", "test_loss", "test_accuracy"), (1, 1, 100)):
       a = np.array([[np.nan if v is None else v for v in row] for row in h[key]], dtype=float) * scale
       mean, std = np.nanmean(a, axis=1), np.nanstd(a, axis=1)
-      ax.plot(h["epoch"], mean, color=colors[m], lw=2 if m == "ocola_ud" else 1.2, label=describe(m),
-              marker="o" if len(h["epoch"]) < 3 else None)
+      ax.plot(
+        h["epoch"],
+        mean,
+        color=colors[m],
+        lw=2 if m == "ocola_ud" else 1.2,
+        label=describe(m),
+        marker="o" if len(h["epoch"]) < 3 else None,
+      )
       ax.fill_between(h["epoch"], mean - std, mean + std, color=colors[m], alpha=0.15)
   titles = ("train loss (mean over each epoch's minibatches)", "test loss", "test accuracy (%)")
   for ax, title in zip(axes, titles):
@@ -626,10 +654,12 @@ def plot(results: dict, config: dict, path: str, data_info: dict) -> None:
     ax.grid(alpha=0.3)
   axes[2].legend(loc="lower right", fontsize=8)
   synthetic = " — SYNTHETIC DATA" if data_info.get("synthetic") else ""
-  fig.suptitle(f"{config['model']} on {config['dataset']} ({config['n_train']} train / {config['n_test']} "
-               f"test images), batch {config['batch_size']}, lr / 10 at epochs {config['decay_epochs']} "
-               f"(dotted), mean ± std of {config['seeds']} seeds, {config['epochs_completed']} of "
-               f"{config['epochs']} epochs{synthetic}")
+  fig.suptitle(
+    f"{config['model']} on {config['dataset']} ({config['n_train']} train / {config['n_test']} "
+    f"test images), batch {config['batch_size']}, lr / 10 at epochs {config['decay_epochs']} "
+    f"(dotted), mean ± std of {config['seeds']} seeds, {config['epochs_completed']} of "
+    f"{config['epochs']} epochs{synthetic}"
+  )
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -640,42 +670,62 @@ def plot(results: dict, config: dict, path: str, data_info: dict) -> None:
 
 def parse_args(argv):
   p = argparse.ArgumentParser(
-      description="Orthogonal convolutions: o-CoLA-ud (every conv kernel but the first orthonormal) "
-                  "against SGD-m with and without weight decay; the paper's ResNet-34 / CIFAR-10 "
-                  "set-up, or a small CNN on Fashion-MNIST as a CPU-sized stand-in.",
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--model", choices=MODELS, default="small",
-                 help="the small CNN (CPU-sized) or a CIFAR-style ResNet (GPU)")
-  p.add_argument("--dataset", choices=DATASETS, default=None,
-                 help="default: fashion_mnist for the small CNN, cifar10 for the ResNets")
-  p.add_argument("--data-dir", default=None,
-                 help=f"Fashion-MNIST IDX files (default {harness_data.FASHION_MNIST_DIR}) or the "
-                      "CIFAR-10 batches (required for cifar10)")
+    description="Orthogonal convolutions: o-CoLA-ud (every conv kernel but the first orthonormal) "
+    "against SGD-m with and without weight decay; the paper's ResNet-34 / CIFAR-10 "
+    "set-up, or a small CNN on Fashion-MNIST as a CPU-sized stand-in.",
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  p.add_argument(
+    "--model", choices=MODELS, default="small", help="the small CNN (CPU-sized) or a CIFAR-style ResNet (GPU)"
+  )
+  p.add_argument(
+    "--dataset",
+    choices=DATASETS,
+    default=None,
+    help="default: fashion_mnist for the small CNN, cifar10 for the ResNets",
+  )
+  p.add_argument(
+    "--data-dir",
+    default=None,
+    help=f"Fashion-MNIST IDX files (default {harness_data.FASHION_MNIST_DIR}) or the "
+    "CIFAR-10 batches (required for cifar10)",
+  )
   p.add_argument("--synthetic", action="store_true", help="synthetic stand-in data (testing only)")
   p.add_argument("--seeds", type=int, default=DEFAULT_SEEDS, help="number of seeds (0..seeds-1)")
-  p.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS,
-                 help="training epochs (78 steps of 128 images on 10k training images)")
-  p.add_argument("--decay-epochs", default=None,
-                 help="comma list of epochs after which the learning rate is divided by 10; "
-                      "default round(E/3), round(2E/3) (the paper: 50, 100 of 150)")
-  p.add_argument("--eval-every", type=int, default=1, help="epochs between test evaluations "
-                 "(must divide --epochs)")
+  p.add_argument(
+    "--epochs", type=int, default=DEFAULT_EPOCHS, help="training epochs (78 steps of 128 images on 10k training images)"
+  )
+  p.add_argument(
+    "--decay-epochs",
+    default=None,
+    help="comma list of epochs after which the learning rate is divided by 10; "
+    "default round(E/3), round(2E/3) (the paper: 50, 100 of 150)",
+  )
+  p.add_argument("--eval-every", type=int, default=1, help="epochs between test evaluations (must divide --epochs)")
   p.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")
-  p.add_argument("--n-train", type=int, default=None,
-                 help="training images (the first of the official set); default 10000 for "
-                      "fashion_mnist, 50000 for cifar10")
+  p.add_argument(
+    "--n-train",
+    type=int,
+    default=None,
+    help="training images (the first of the official set); default 10000 for fashion_mnist, 50000 for cifar10",
+  )
   p.add_argument("--n-test", type=int, default=10_000, help="test images (the official test set)")
   p.add_argument("--batch-size", type=int, default=128, help="minibatch size (the paper's 128)")
   p.add_argument("--width", type=int, default=64, help="ResNet channels of the first stage")
-  p.add_argument("--no-augment", action="store_true",
-                 help="no random crop and flip on CIFAR-10 (never used on Fashion-MNIST)")
-  p.add_argument("--out", default=None,
-                 help="output directory (default: results/; a --smoke run: a new temporary folder)")
-  p.add_argument("--smoke", action="store_true",
-                 help=f"tiny run for tests: {SMOKE['seeds']} seeds, {SMOKE['epochs']} epochs, "
-                      f"{SMOKE['n_train']} train / {SMOKE['n_test']} test images, batch "
-                      f"{SMOKE['batch_size']}, ResNet width {SMOKE['width']}; synthetic data when "
-                      "the data files are missing")
+  p.add_argument(
+    "--no-augment", action="store_true", help="no random crop and flip on CIFAR-10 (never used on Fashion-MNIST)"
+  )
+  p.add_argument(
+    "--out", default=None, help="output directory (default: results/; a --smoke run: a new temporary folder)"
+  )
+  p.add_argument(
+    "--smoke",
+    action="store_true",
+    help=f"tiny run for tests: {SMOKE['seeds']} seeds, {SMOKE['epochs']} epochs, "
+    f"{SMOKE['n_train']} train / {SMOKE['n_test']} test images, batch "
+    f"{SMOKE['batch_size']}, ResNet width {SMOKE['width']}; synthetic data when "
+    "the data files are missing",
+  )
   p.add_argument("--quiet", action="store_true", help="no progress bar")
   args = p.parse_args(argv)
   dataset = args.dataset or ("fashion_mnist" if args.model == "small" else "cifar10")
@@ -701,14 +751,24 @@ def parse_args(argv):
       p.error("--decay-epochs must be a comma list of integers")
     if any(e < 1 for e in decay):
       p.error("--decay-epochs must be positive")
-  config = Config(model=args.model, dataset=dataset, seeds=args.seeds, epochs=args.epochs,
-                  decay_epochs=decay, methods=methods, n_train=n_train, n_test=n_test,
-                  batch_size=batch_size, eval_every=args.eval_every, width=width,
-                  augment=dataset == "cifar10" and not args.no_augment)
+  config = Config(
+    model=args.model,
+    dataset=dataset,
+    seeds=args.seeds,
+    epochs=args.epochs,
+    decay_epochs=decay,
+    methods=methods,
+    n_train=n_train,
+    n_test=n_test,
+    batch_size=batch_size,
+    eval_every=args.eval_every,
+    width=width,
+    augment=dataset == "cifar10" and not args.no_augment,
+  )
   return args, config
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict:
+def main(argv: Sequence[str] | None = None) -> dict:
   """Runs the comparison, writes ``orthogonal_cnn.json`` and ``.png`` under ``--out``.
 
   Returns the dict written to ``orthogonal_cnn.json``.
@@ -730,36 +790,49 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   chunks = eval_chunks(x_test, y_test, config.eval_batch)
 
   from tqdm.auto import tqdm
+
   model = make_model(config.model, config.width)
   runs = {}
   for m in config.methods:
     fns = build(m, model, config, stats, x_train.shape[1:])
     runs[m] = [Run(m, seed, fns, config) for seed in range(config.seeds)]
   params0 = runs[config.methods[0]][0].init_variables[0]
-  constrained = [_path_name(p) for p, v in jax.tree_util.tree_flatten_with_path(orthogonal_mask(params0))[0]
-                 if v]
+  constrained = [_path_name(p) for p, v in jax.tree_util.tree_flatten_with_path(orthogonal_mask(params0))[0] if v]
   steps_per_epoch = config.n_train // config.batch_size
   h_phases = [math.sqrt(SGD_LR * DECAY_FACTOR**i) for i in range(len(config.decay_epochs) + 1)]
   config_dict = {
-      **config._asdict(), "methods": list(config.methods), "decay_epochs": list(config.decay_epochs),
-      "steps_per_epoch": steps_per_epoch,
-      "images_skipped_per_epoch": config.n_train - steps_per_epoch * config.batch_size,
-      "pixel_mean": stats[0].tolist(), "pixel_std": stats[1].tolist(),
-      "n_parameters": int(sum(np.size(p) for p in jax.tree.leaves(params0))),
-      "constrained_kernels": constrained,
-      "free_conv_kernel": f"{FREE_CONV}/kernel",
-      "init": "PyTorch default U(+-1/sqrt(fan_in)) for kernels and biases, BatchNorm (1, 0); the same "
-              "parameters for every method; o-CoLA-ud's first update replaces each constrained kernel "
-              "by its polar factor (nearest orthonormal matrix)",
-      "ocola_ud": {"learning_rate": h_phases, "friction": FRICTION, "temperature": 0.0,
-                   "sgd_momentum_equivalent": [
-                       dict(zip(("learning_rate", "momentum"), cola.langevin_to_sgd_momentum(h, FRICTION)))
-                       for h in h_phases]},
-      "sgdm": {"learning_rate": SGD_LR, "momentum": MOMENTUM, "decay_factor": DECAY_FACTOR},
-      "weight_decay": f"{WEIGHT_DECAY} on every parameter for sgdm_wd (PyTorch SGD weight_decay)",
-      "paper": {"model": "ResNet-34 with BatchNorm", "dataset": "CIFAR-10", "epochs": PAPER_EPOCHS,
-                "decay_epochs": list(PAPER_DECAY_EPOCHS), "batch_size": 128, "seeds": 5},
-      "pairing": "seed s fixes init, minibatch order and augmentation, the same for every method",
+    **config._asdict(),
+    "methods": list(config.methods),
+    "decay_epochs": list(config.decay_epochs),
+    "steps_per_epoch": steps_per_epoch,
+    "images_skipped_per_epoch": config.n_train - steps_per_epoch * config.batch_size,
+    "pixel_mean": stats[0].tolist(),
+    "pixel_std": stats[1].tolist(),
+    "n_parameters": int(sum(np.size(p) for p in jax.tree.leaves(params0))),
+    "constrained_kernels": constrained,
+    "free_conv_kernel": f"{FREE_CONV}/kernel",
+    "init": "PyTorch default U(+-1/sqrt(fan_in)) for kernels and biases, BatchNorm (1, 0); the same "
+    "parameters for every method; o-CoLA-ud's first update replaces each constrained kernel "
+    "by its polar factor (nearest orthonormal matrix)",
+    "ocola_ud": {
+      "learning_rate": h_phases,
+      "friction": FRICTION,
+      "temperature": 0.0,
+      "sgd_momentum_equivalent": [
+        dict(zip(("learning_rate", "momentum"), cola.langevin_to_sgd_momentum(h, FRICTION))) for h in h_phases
+      ],
+    },
+    "sgdm": {"learning_rate": SGD_LR, "momentum": MOMENTUM, "decay_factor": DECAY_FACTOR},
+    "weight_decay": f"{WEIGHT_DECAY} on every parameter for sgdm_wd (PyTorch SGD weight_decay)",
+    "paper": {
+      "model": "ResNet-34 with BatchNorm",
+      "dataset": "CIFAR-10",
+      "epochs": PAPER_EPOCHS,
+      "decay_epochs": list(PAPER_DECAY_EPOCHS),
+      "batch_size": 128,
+      "seeds": 5,
+    },
+    "pairing": "seed s fixes init, minibatch order and augmentation, the same for every method",
   }
   json_path = os.path.join(args.out, "orthogonal_cnn.json")
   png_path = os.path.join(args.out, "orthogonal_cnn.png")
@@ -768,17 +841,17 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     results = {m: _entry(runs[m], m) for m in config.methods}
     done = [m for m in config.methods if results[m]]
     out = {
-        "schema_version": SCHEMA_VERSION,
-        "experiment": "orthogonal convolutions, o-CoLA-ud vs SGD-m (Leimkuhler et al., Constraint-Based "
-                      "Regularization of Neural Networks, Sec. 4 ResNet-34 / CIFAR-10 figure and Appendix C)",
-        "status": status,
-        "config": {**config_dict, "epochs_completed": min(r.epoch for rs in runs.values() for r in rs)},
-        "data": data_info,
-        "methods": {m: describe(m) for m in config.methods},
-        "seeds": list(range(config.seeds)),
-        "results": results,
-        "summary": {m: summarize(results[m]) for m in done},
-        **provenance(argv, start, ("flax",)),
+      "schema_version": SCHEMA_VERSION,
+      "experiment": "orthogonal convolutions, o-CoLA-ud vs SGD-m (Leimkuhler et al., Constraint-Based "
+      "Regularization of Neural Networks, Sec. 4 ResNet-34 / CIFAR-10 figure and Appendix C)",
+      "status": status,
+      "config": {**config_dict, "epochs_completed": min(r.epoch for rs in runs.values() for r in rs)},
+      "data": data_info,
+      "methods": {m: describe(m) for m in config.methods},
+      "seeds": list(range(config.seeds)),
+      "results": results,
+      "summary": {m: summarize(results[m]) for m in done},
+      **provenance(argv, start, ("flax",)),
     }
     write_json(json_path, out)
     if done:
@@ -796,19 +869,31 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
       bar.update(1)
     if round_ == 1 or n_rounds == 1:
       per_round = time.perf_counter() - t0
-      bar.write(f"projection: {per_round:.1f} s per round of {config.eval_every} epoch(s), all methods "
-                f"and seeds -> {config.epochs} epochs in {per_round * n_rounds / 60:.1f} min (this "
-                "machine, now; round 1 included compilation)")
-    accs = "  ".join(f"{m}: {100 * np.mean([r.history['test_accuracy'][-1] for r in runs[m]]):.2f}%/"
-                     f"{np.mean([r.history['test_loss'][-1] for r in runs[m]]):.3f}" for m in config.methods)
+      bar.write(
+        f"projection: {per_round:.1f} s per round of {config.eval_every} epoch(s), all methods "
+        f"and seeds -> {config.epochs} epochs in {per_round * n_rounds / 60:.1f} min (this "
+        "machine, now; round 1 included compilation)"
+      )
+    accs = "  ".join(
+      f"{m}: {100 * np.mean([r.history['test_accuracy'][-1] for r in runs[m]]):.2f}%/"
+      f"{np.mean([r.history['test_loss'][-1] for r in runs[m]]):.3f}"
+      for m in config.methods
+    )
     bar.write(f"epoch {(round_ + 1) * config.eval_every:4d}  test acc/loss  {accs}")
     write("running")
   bar.close()
 
   LAST_RUN.clear()
-  LAST_RUN.update({m: {"init": [r.init_variables for r in runs[m]],
-                       "final": [jax.device_get(r.carry[:2]) for r in runs[m]],
-                       "opt_state": [r.carry[2] for r in runs[m]]} for m in config.methods})
+  LAST_RUN.update(
+    {
+      m: {
+        "init": [r.init_variables for r in runs[m]],
+        "final": [jax.device_get(r.carry[:2]) for r in runs[m]],
+        "opt_state": [r.carry[2] for r in runs[m]],
+      }
+      for m in config.methods
+    }
+  )
   out = write("complete")
   print()
   print(summary_table(out["results"], config.methods))

@@ -44,8 +44,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from harness import cli, data, models, report, train
 
 SCHEMA_VERSION = 2
-METHODS = {"sgd": "SGD, standard (PyTorch) init", "sgd_orth": "SGD, orthogonal init",
-           "ocola_od": "o-CoLA-od, tau = 0", "ocola_od_tau": "o-CoLA-od, tau = 1e-6"}
+METHODS = {
+  "sgd": "SGD, standard (PyTorch) init",
+  "sgd_orth": "SGD, orthogonal init",
+  "ocola_od": "o-CoLA-od, tau = 0",
+  "ocola_od_tau": "o-CoLA-od, tau = 1e-6",
+}
 METHOD_ORDER = tuple(METHODS)
 GROUPS = {"sgd": ("sgd", "sgd_orth"), "ocola": ("ocola_od", "ocola_od_tau")}
 DEFAULT_EPOCHS = 60
@@ -64,8 +68,18 @@ def model(depth: int, orthogonal_init, width: int = 100) -> models.MLP:
   return models.MLP((width,) * depth + (1,), kernel_init=lambda i: ortho if orthogonal_init(i) else None)
 
 
-def group_run(group: str, names: Sequence[str], depth: int, dataset, *, seeds: int, eval_every: int,
-              learning_rate: float = 0.1, temperature: float = 1e-6, width: int = 100) -> train.Run:
+def group_run(
+  group: str,
+  names: Sequence[str],
+  depth: int,
+  dataset,
+  *,
+  seeds: int,
+  eval_every: int,
+  learning_rate: float = 0.1,
+  temperature: float = 1e-6,
+  width: int = 100,
+) -> train.Run:
   """The run of ``names`` (all of ``GROUPS[group]``), ``seeds`` seeds each, at ``depth``: member
   ``j * seeds + s`` is seed ``s`` of ``names[j]``."""
   standard, orthogonal = (model(depth, lambda i, o=o: o, width) for o in (False, True))
@@ -77,41 +91,60 @@ def group_run(group: str, names: Sequence[str], depth: int, dataset, *, seeds: i
   def init_params(key, member):
     if group == "ocola":
       return constrained.init(key, x0)["params"]
-    return jax.tree.map(lambda o, s: jnp.where(member["orthogonal"], o, s),
-                        orthogonal.init(key, x0)["params"], standard.init(key, x0)["params"])
+    return jax.tree.map(
+      lambda o, s: jnp.where(member["orthogonal"], o, s),
+      orthogonal.init(key, x0)["params"],
+      standard.init(key, x0)["params"],
+    )
 
   noisy = group == "ocola" and "ocola_od_tau" in names
+
   def make_tx(member, noise_key):
     if group == "sgd":
       return optax.sgd(learning_rate)
     if not noisy:  # exactly tau = 0: no noise drawn at all
       return cola.cola_od(learning_rate, constraints=constraints)
-    return cola.cola_od(learning_rate, constraints=constraints, temperature=member["temperature"],
-                        key=noise_key)
+    return cola.cola_od(learning_rate, constraints=constraints, temperature=member["temperature"], key=noise_key)
 
   def probes(params):
     kernels = [params[f"layer{i}"]["kernel"] for i in range(1, depth)]
-    defects = [jnp.max(jnp.abs(jnp.matmul(k.T, k, precision="highest") - jnp.eye(k.shape[1])))
-               for k in kernels]
+    defects = [jnp.max(jnp.abs(jnp.matmul(k.T, k, precision="highest") - jnp.eye(k.shape[1]))) for k in kernels]
     return {"max_orthogonality_defect": jnp.max(jnp.stack(defects)) if defects else jnp.zeros(())}
 
-  members = {"seed": np.tile(np.arange(seeds), len(names)),
-             "orthogonal": np.repeat([n == "sgd_orth" for n in names], seeds),
-             "temperature": np.repeat([temperature if n == "ocola_od_tau" else 0.0 for n in names],
-                                      seeds).astype(np.float32)}
-  return train.Run(init_params=init_params, apply_fn=lambda p, x: standard.apply({"params": p}, x),
-                   make_tx=make_tx, objective=train.BINARY, data=dataset, members=members, batch_size=25,
-                   eval_every=eval_every, probes=probes)
+  members = {
+    "seed": np.tile(np.arange(seeds), len(names)),
+    "orthogonal": np.repeat([n == "sgd_orth" for n in names], seeds),
+    "temperature": np.repeat([temperature if n == "ocola_od_tau" else 0.0 for n in names], seeds).astype(np.float32),
+  }
+  return train.Run(
+    init_params=init_params,
+    apply_fn=lambda p, x: standard.apply({"params": p}, x),
+    make_tx=make_tx,
+    objective=train.BINARY,
+    data=dataset,
+    members=members,
+    batch_size=25,
+    eval_every=eval_every,
+    probes=probes,
+  )
 
 
 def parse_args(argv):
-  p = cli.parser("The paper's spiral experiment: o-CoLA-od vs SGD on MLPs with 1..10 hidden layers "
-                 "of 100 ReLU units (all seeds trained at once with jax.vmap).", seeds=10,
-                 epochs=DEFAULT_EPOCHS, out="results/", smoke=f"{SMOKE['seeds']} seeds, depths "
-                 f"{SMOKE['depths']}, {SMOKE['epochs']} epochs")
+  p = cli.parser(
+    "The paper's spiral experiment: o-CoLA-od vs SGD on MLPs with 1..10 hidden layers "
+    "of 100 ReLU units (all seeds trained at once with jax.vmap).",
+    seeds=10,
+    epochs=DEFAULT_EPOCHS,
+    out="results/",
+    smoke=f"{SMOKE['seeds']} seeds, depths {SMOKE['depths']}, {SMOKE['epochs']} epochs",
+  )
   p.add_argument("--depths", type=cli.int_list, default="1-10", help='hidden-layer counts: "1-10", "1,3,5", "1-3,8"')
-  p.add_argument("--methods", type=cli.choices(METHOD_ORDER), default=",".join(METHOD_ORDER),
-                 help=f"comma list from {', '.join(METHOD_ORDER)}")
+  p.add_argument(
+    "--methods",
+    type=cli.choices(METHOD_ORDER),
+    default=",".join(METHOD_ORDER),
+    help=f"comma list from {', '.join(METHOD_ORDER)}",
+  )
   p.add_argument("--temperature", type=float, default=1e-6, help="tau of ocola_od_tau")
   p.add_argument("--learning-rate", type=float, default=0.1, help="h of every method")
   p.add_argument("--data-seed", type=int, default=0, help="seed of the (shared) data set")
@@ -128,6 +161,7 @@ def parse_args(argv):
 
 def plot(results: dict, config: dict, path: str) -> None:
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
@@ -136,23 +170,36 @@ def plot(results: dict, config: dict, path: str) -> None:
   for i, m in enumerate(methods):
     for ax, key, scale in ((axes[0], "test_accuracy", 100), (axes[1], "train_loss", 1)):
       stats = np.array([report.mean_std(results[m][str(d)][key]) for d in depths]) * scale
-      ax.errorbar(np.array(depths) + 0.08 * (i - 1.5), stats[:, 0], yerr=stats[:, 1], marker="o", ms=4,
-                  capsize=3, color=f"C{i}", label=METHODS[m])
+      ax.errorbar(
+        np.array(depths) + 0.08 * (i - 1.5),
+        stats[:, 0],
+        yerr=stats[:, 1],
+        marker="o",
+        ms=4,
+        capsize=3,
+        color=f"C{i}",
+        label=METHODS[m],
+      )
     h = results[m][str(max(depths))]["history"]
     acc = report.nan_array(h["test_accuracy"]) * 100
     axes[2].plot(h["epoch"], np.nanmean(acc, 1), color=f"C{i}", label=METHODS[m])
-    axes[2].fill_between(h["epoch"], *(np.nanmean(acc, 1) + s * np.nanstd(acc, 1) for s in (-1, 1)),
-                         color=f"C{i}", alpha=0.15)
-  axes[0].set(xlabel="hidden layers p", ylabel="test accuracy (%)",
-              title=f"after {config['epochs']} epochs (mean ± std, {config['seeds']} seeds)")
+    axes[2].fill_between(
+      h["epoch"], *(np.nanmean(acc, 1) + s * np.nanstd(acc, 1) for s in (-1, 1)), color=f"C{i}", alpha=0.15
+    )
+  axes[0].set(
+    xlabel="hidden layers p",
+    ylabel="test accuracy (%)",
+    title=f"after {config['epochs']} epochs (mean ± std, {config['seeds']} seeds)",
+  )
   axes[1].set(xlabel="hidden layers p", ylabel="train loss (BCE)", title="final training loss")
   axes[1].axhline(np.log(2), color="k", lw=0.8, ls=":")
   axes[2].set(xlabel="epoch", ylabel="test accuracy (%)", title=f"during training, p = {max(depths)}")
   for ax in axes:
     ax.grid(alpha=0.3)
   axes[0].legend(fontsize=9)
-  fig.suptitle("4-turn spiral, 500 train / 1000 test points, batch 25, h = "
-               f"{config['learning_rate']}, 100-unit ReLU layers")
+  fig.suptitle(
+    f"4-turn spiral, 500 train / 1000 test points, batch 25, h = {config['learning_rate']}, 100-unit ReLU layers"
+  )
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -172,8 +219,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
   LAST_RUN_PARAMS.clear()
   for depth in args.depths:
     for group, names in groups.items():
-      run = group_run(group, names, depth, dataset, seeds=args.seeds, eval_every=args.eval_every,
-                      learning_rate=args.learning_rate, temperature=args.temperature)
+      run = group_run(
+        group,
+        names,
+        depth,
+        dataset,
+        seeds=args.seeds,
+        eval_every=args.eval_every,
+        learning_rate=args.learning_rate,
+        temperature=args.temperature,
+      )
       train.train({f"p={depth} {group}": run}, args.epochs, progress=bar)
       for j, name in enumerate(names):
         rows = slice(j * args.seeds, (j + 1) * args.seeds)
@@ -186,26 +241,55 @@ def main(argv: Sequence[str] | None = None) -> dict:
           entry["projection_fallbacks"] = [int(v) for v in history["projection_fallbacks"][-1]]
         results[name][str(depth)] = entry
         LAST_RUN_PARAMS.setdefault(name, {})[depth] = jax.tree.map(lambda a, r=rows: a[r], run.params)
-        bar.write(f"p={depth:2d} {name:<13} test acc {report.pm(entry['test_accuracy'], 100, 2)} %  "
-                  f"train loss {report.pm(entry['train_loss'])}")
+        bar.write(
+          f"p={depth:2d} {name:<13} test acc {report.pm(entry['test_accuracy'], 100, 2)} %  "
+          f"train loss {report.pm(entry['train_loss'])}"
+        )
       bar.write(f"      ({'+'.join(names)}: compile {run.compile_s:.1f} s, run {run.run_s:.1f} s)")
   bar.close()
-  config = {"seeds": args.seeds, "depths": list(args.depths), "epochs": args.epochs, "methods": list(args.methods),
-            "width": 100, "n_train": 500, "n_test": 1000, "batch_size": 25, "steps_per_epoch": 20,
-            "learning_rate": args.learning_rate, "temperature": args.temperature, "data_seed": args.data_seed,
-            "eval_every": args.eval_every}
-  out = {"schema_version": SCHEMA_VERSION,
-         "experiment": "spiral (Leimkuhler et al., Constraint-Based Regularization of Neural Networks, Figs. 2-3)",
-         "config": config, "data": dataset.info, "methods": {m: METHODS[m] for m in args.methods},
-         "depths": list(args.depths), "seeds": list(range(args.seeds)), "results": results,
-         "summary": {m: {str(d): report.mean_std_fields(results[m][str(d)], ("test_accuracy", "train_loss"))
-                         for d in args.depths} for m in args.methods},
-         **report.provenance(argv, start, packages=("flax",))}
+  config = {
+    "seeds": args.seeds,
+    "depths": list(args.depths),
+    "epochs": args.epochs,
+    "methods": list(args.methods),
+    "width": 100,
+    "n_train": 500,
+    "n_test": 1000,
+    "batch_size": 25,
+    "steps_per_epoch": 20,
+    "learning_rate": args.learning_rate,
+    "temperature": args.temperature,
+    "data_seed": args.data_seed,
+    "eval_every": args.eval_every,
+  }
+  out = {
+    "schema_version": SCHEMA_VERSION,
+    "experiment": "spiral (Leimkuhler et al., Constraint-Based Regularization of Neural Networks, Figs. 2-3)",
+    "config": config,
+    "data": dataset.info,
+    "methods": {m: METHODS[m] for m in args.methods},
+    "depths": list(args.depths),
+    "seeds": list(range(args.seeds)),
+    "results": results,
+    "summary": {
+      m: {str(d): report.mean_std_fields(results[m][str(d)], ("test_accuracy", "train_loss")) for d in args.depths}
+      for m in args.methods
+    },
+    **report.provenance(argv, start, packages=("flax",)),
+  }
   json_path, png_path = os.path.join(out_dir, "spiral.json"), os.path.join(out_dir, "spiral.png")
   report.write_json(json_path, out)
   plot(results, config, png_path)
-  rows = [[METHODS[m], d, report.pm(results[m][str(d)]["test_accuracy"], 100, 2),
-           report.pm(results[m][str(d)]["train_loss"], 1, 4)] for m in args.methods for d in args.depths]
+  rows = [
+    [
+      METHODS[m],
+      d,
+      report.pm(results[m][str(d)]["test_accuracy"], 100, 2),
+      report.pm(results[m][str(d)]["train_loss"], 1, 4),
+    ]
+    for m in args.methods
+    for d in args.depths
+  ]
   print(report.table(rows, ["method", "depth", "test acc (%)", "train loss"]))
   print(f"wall time {out['wall_time_s']:.1f} s; wrote {json_path} and {png_path}")
   return out

@@ -61,36 +61,51 @@ import pathlib
 import re
 import sys
 import time
-from typing import Any, Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-import cola_jax as cola  # noqa: E402
-from cola_jax import langevin  # noqa: E402
-from cola_jax._numerics import computed_together  # noqa: E402
-from cola_jax.constraints.circle import CircleState  # noqa: E402
+import cola_jax as cola
+from cola_jax import langevin
+from cola_jax._numerics import computed_together
+from cola_jax.constraints.circle import CircleState
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
-from harness.report import output_dir  # noqa: E402
-from _common import provenance, write_json  # noqa: E402
+from _common import provenance, write_json
+from harness.report import output_dir
 
-RESULT_KEYS = ("model", "method", "baseline", "temperature", "kind", "method_ms",
-               "baseline_ms", "ratio", "ratio_of_paired", "method_iqr_ms",
-               "baseline_iqr_ms", "repetitions")
-TOP_KEYS = ("meta", "config", "results", "state_bytes", "targets", "one_loop_floor",
-            "projection_floor")
+RESULT_KEYS = (
+  "model",
+  "method",
+  "baseline",
+  "temperature",
+  "kind",
+  "method_ms",
+  "baseline_ms",
+  "ratio",
+  "ratio_of_paired",
+  "method_iqr_ms",
+  "baseline_iqr_ms",
+  "repetitions",
+)
+TOP_KEYS = ("meta", "config", "results", "state_bytes", "targets", "one_loop_floor", "projection_floor")
 METHODS = ("c_cola_od", "c_cola_ud", "o_cola_od", "o_cola_ud", "i_cola_od", "i_cola_ud")
 KINDS = ("update", "step")
 # --smoke measures only what the issue's targets name (model, method, tau > 0,
 # kind): compiling is what takes the time there.
-SMOKE_JOBS = (("mlp784", "c_cola_ud", False, "update"), ("mlp784", "c_cola_ud", False, "step"),
-              ("mlp784", "c_cola_ud", True, "step"), ("spiral8x100", "o_cola_od", False, "step"),
-              ("mlp784", "i_cola_ud", False, "step"))
+SMOKE_JOBS = (
+  ("mlp784", "c_cola_ud", False, "update"),
+  ("mlp784", "c_cola_ud", False, "step"),
+  ("mlp784", "c_cola_ud", True, "step"),
+  ("spiral8x100", "o_cola_od", False, "step"),
+  ("mlp784", "i_cola_ud", False, "step"),
+)
 
 
 # ----------------------------------------------------------------------------
@@ -112,8 +127,8 @@ def init_mlp(key, sizes):
     key, sub = jax.random.split(key)
     bound = math.sqrt(6.0 / (fan_in + fan_out))
     params[f"Dense_{i}"] = {
-        "kernel": jax.random.uniform(sub, (fan_in, fan_out), jnp.float32, -bound, bound),
-        "bias": jnp.zeros((fan_out,), jnp.float32),
+      "kernel": jax.random.uniform(sub, (fan_in, fan_out), jnp.float32, -bound, bound),
+      "bias": jnp.zeros((fan_out,), jnp.float32),
     }
   return params
 
@@ -130,13 +145,16 @@ def apply_mlp(params, x):
 
 def make_loss(model: Model) -> Callable:
   if model.loss == "softmax":
+
     def loss(params, batch):
       x, y = batch
       return optax.softmax_cross_entropy_with_integer_labels(apply_mlp(params, x), y).mean()
   else:
+
     def loss(params, batch):
       x, y = batch
       return optax.sigmoid_binary_cross_entropy(apply_mlp(params, x)[:, 0], y).mean()
+
   return loss
 
 
@@ -153,13 +171,13 @@ def make_batch(model: Model, key):
 def models(smoke: bool) -> list[Model]:
   if smoke:
     return [
-        Model("mlp784", (48, 64, 10), 16, "softmax", {"Dense_0": 0.05, "Dense_1": 0.1}),
-        Model("spiral8x100", (2, 8, 8, 1), 5, "bce", {f"Dense_{i}": 0.3 for i in range(3)}),
+      Model("mlp784", (48, 64, 10), 16, "softmax", {"Dense_0": 0.05, "Dense_1": 0.1}),
+      Model("spiral8x100", (2, 8, 8, 1), 5, "bce", {f"Dense_{i}": 0.3 for i in range(3)}),
     ]
   spiral = (2,) + (100,) * 8 + (1,)
   return [
-      Model("mlp784", (784, 1000, 10), 128, "softmax", {"Dense_0": 0.05, "Dense_1": 0.1}),
-      Model("spiral8x100", spiral, 25, "bce", {f"Dense_{i}": 0.3 for i in range(len(spiral) - 1)}),
+    Model("mlp784", (784, 1000, 10), 128, "softmax", {"Dense_0": 0.05, "Dense_1": 0.1}),
+    Model("spiral8x100", spiral, 25, "bce", {f"Dense_{i}": 0.3 for i in range(len(spiral) - 1)}),
   ]
 
 
@@ -179,39 +197,56 @@ def make_pair(method: str, model: Model, args, temperature: float):
     # Norm 1: the first update projects the initial columns (norm about 1) from
     # nearby. (From 20 times the norm, float32 cancellation in z + G^T lambda
     # leaves the defect above the tolerance and every projection fails.)
-    implicit = {layer: {"kernel": cola.Implicit(equality=zero_sum_fixed_norm(1.0), axis=0),
-                        "bias": None} for layer in model.radius}
+    implicit = {
+      layer: {"kernel": cola.Implicit(equality=zero_sum_fixed_norm(1.0), axis=0), "bias": None}
+      for layer in model.radius
+    }
     sphere = {layer: {"kernel": cola.Sphere(1.0), "bias": None} for layer in model.radius}
     # A key each: the timed calls donate their state, the key included.
-    fresh = lambda: {k: jax.random.key(7) if k == "key" else v for k, v in noise.items()}  # noqa: E731
+    fresh = lambda: {k: jax.random.key(7) if k == "key" else v for k, v in noise.items()}
     if method == "i_cola_od":
       h = args.h_c_od
-      make = lambda c: cola.cola_od(h, constraints=c, **fresh())  # noqa: E731
+      make = lambda c: cola.cola_od(h, constraints=c, **fresh())
       hyper = {"h": h, "radius": 1.0}
     else:
       h, gamma = args.h_c_ud, args.friction
-      make = lambda c: cola.cola_ud(h, friction=gamma, constraints=c, **fresh())  # noqa: E731
+      make = lambda c: cola.cola_ud(h, friction=gamma, constraints=c, **fresh())
       hyper = {"h": h, "friction": gamma, "radius": 1.0}
-    return (make(implicit), make(sphere), f"{method[2:]} Sphere, tau={temperature:g}",
-            {**hyper, "constraint": "Implicit(zero sum, norm r; axis=0)"})
+    return (
+      make(implicit),
+      make(sphere),
+      f"{method[2:]} Sphere, tau={temperature:g}",
+      {**hyper, "constraint": "Implicit(zero sum, norm r; axis=0)"},
+    )
   if method == "c_cola_od":
     h = args.h_c_od
-    return (cola.c_cola_od(h, radius=model.radius, **noise), optax.sgd(h),
-            f"sgd({h})", {"h": h, "radius": model.radius})
+    return (
+      cola.c_cola_od(h, radius=model.radius, **noise),
+      optax.sgd(h),
+      f"sgd({h})",
+      {"h": h, "radius": model.radius},
+    )
   if method == "c_cola_ud":
     h, gamma = args.h_c_ud, args.friction
     lr, mom = cola.langevin_to_sgd_momentum(h, gamma)
-    return (cola.c_cola_ud(h, friction=gamma, radius=model.radius, **noise),
-            optax.sgd(lr, momentum=mom), f"sgd({lr:.4g}, momentum={mom:.4g})",
-            {"h": h, "friction": gamma, "radius": model.radius})
+    return (
+      cola.c_cola_ud(h, friction=gamma, radius=model.radius, **noise),
+      optax.sgd(lr, momentum=mom),
+      f"sgd({lr:.4g}, momentum={mom:.4g})",
+      {"h": h, "friction": gamma, "radius": model.radius},
+    )
   if method == "o_cola_od":
     h = args.h_o_od
     return (cola.o_cola_od(h, **noise), optax.sgd(h), f"sgd({h})", {"h": h})
   if method == "o_cola_ud":
     h, gamma = args.h_o_ud, args.friction
     lr, mom = cola.langevin_to_sgd_momentum(h, gamma)
-    return (cola.o_cola_ud(h, friction=gamma, **noise), optax.sgd(lr, momentum=mom),
-            f"sgd({lr:.4g}, momentum={mom:.4g})", {"h": h, "friction": gamma})
+    return (
+      cola.o_cola_ud(h, friction=gamma, **noise),
+      optax.sgd(lr, momentum=mom),
+      f"sgd({lr:.4g}, momentum={mom:.4g})",
+      {"h": h, "friction": gamma},
+    )
   raise ValueError(method)
 
 
@@ -227,18 +262,21 @@ def tree_bytes(tree) -> int:
 def build(kind: str, tx, loss_fn, params, grads, batch):
   """A jitted step function and its initial carry ``(params, opt_state)``."""
   if kind == "update":
+
     def fn(params, state):
       updates, state = tx.update(grads, state, params)
       return optax.apply_updates(params, updates), state
   else:
+
     def fn(params, state):
       g = jax.grad(loss_fn)(params, batch)
       updates, state = tx.update(g, state, params)
       return optax.apply_updates(params, updates), state
+
   return jax.jit(fn, donate_argnums=(0, 1)), (jax.tree.map(jnp.copy, params), tx.init(params))
 
 
-def array_passes(fn, carry, shape) -> Optional[dict]:
+def array_passes(fn, carry, shape) -> dict | None:
   """Arrays of ``shape`` read and written by the compiled ``fn``'s top-level loops.
 
   An elementwise update is memory-bound at this size, so these counts (for the
@@ -248,11 +286,11 @@ def array_passes(fn, carry, shape) -> Optional[dict]:
   text = fn.lower(*carry).compile().as_text()
   if "ENTRY" not in text:
     return None
-  entry = text[text.index("ENTRY"):].split("\n}", 1)[0]
+  entry = text[text.index("ENTRY") :].split("\n}", 1)[0]
   wanted = f"[{','.join(map(str, shape))}]"
   shapes = dict(re.findall(r"%(\S+) = (\S+) ", entry))
   reads = writes = 0
-  for name, out, op, args in re.findall(r"%(\S+) = (\S+) ([\w-]+)\((.*?)\)", entry):
+  for _name, out, op, args in re.findall(r"%(\S+) = (\S+) ([\w-]+)\((.*?)\)", entry):
     if op in ("parameter", "tuple", "get-tuple-element", "bitcast", "constant"):
       continue
     writes += out.count(wanted)
@@ -290,11 +328,20 @@ def one_loop_floor(shape, radius: float, h: float, gamma: float, args) -> dict:
   g = 0.1 * jax.random.normal(k3, shape)
   method, baseline = jax.jit(c_cola_ud), jax.jit(sgd_momentum)
   t_m, t_b = measure_pair(
-      (lambda *carry: method(*carry, g), lambda *carry: baseline(*carry, g)),
-      ((theta, xi, p), (theta, p)), args.warmup, args.repetitions, args.budget)
+    (lambda *carry: method(*carry, g), lambda *carry: baseline(*carry, g)),
+    ((theta, xi, p), (theta, p)),
+    args.warmup,
+    args.repetitions,
+    args.budget,
+  )
   method_ms, baseline_ms = 1e3 * float(np.median(t_m)), 1e3 * float(np.median(t_b))
-  return {"shape": list(shape), "method_ms": method_ms, "baseline_ms": baseline_ms,
-          "ratio": method_ms / baseline_ms, "repetitions": len(t_m)}
+  return {
+    "shape": list(shape),
+    "method_ms": method_ms,
+    "baseline_ms": baseline_ms,
+    "ratio": method_ms / baseline_ms,
+    "repetitions": len(t_m),
+  }
 
 
 def projection_floor(params, batch, loss_fn, h: float, args) -> dict:
@@ -307,19 +354,32 @@ def projection_floor(params, batch, loss_fn, h: float, args) -> dict:
   """
   sgd_step, sgd_carry = build("step", optax.sgd(h), loss_fn, params, None, batch)
   # Orthogonal kernels: w (w^T w) = w, so the timed carry neither grows nor decays.
-  squares = [jnp.linalg.qr(layer["kernel"])[0] for layer in params.values()
-             if layer["kernel"].shape[0] == layer["kernel"].shape[1]]
+  squares = [
+    jnp.linalg.qr(layer["kernel"])[0]
+    for layer in params.values()
+    if layer["kernel"].shape[0] == layer["kernel"].shape[1]
+  ]
 
   @jax.jit
   def two_products(kernels):
     return [w @ (w.T @ w) for w in kernels]
 
-  t_p, t_b = measure_pair((lambda *kernels: tuple(two_products(kernels)), sgd_step),
-                          (tuple(squares), sgd_carry), args.warmup, args.repetitions, args.budget)
+  t_p, t_b = measure_pair(
+    (lambda *kernels: tuple(two_products(kernels)), sgd_step),
+    (tuple(squares), sgd_carry),
+    args.warmup,
+    args.repetitions,
+    args.budget,
+  )
   products_ms, sgd_ms = 1e3 * float(np.median(t_p)), 1e3 * float(np.median(t_b))
-  return {"layers": len(squares), "shape": list(squares[0].shape) if squares else None,
-          "products_ms": products_ms, "sgd_step_ms": sgd_ms,
-          "ratio_bound": (sgd_ms + products_ms) / sgd_ms, "repetitions": len(t_p)}
+  return {
+    "layers": len(squares),
+    "shape": list(squares[0].shape) if squares else None,
+    "products_ms": products_ms,
+    "sgd_step_ms": sgd_ms,
+    "ratio_bound": (sgd_ms + products_ms) / sgd_ms,
+    "repetitions": len(t_p),
+  }
 
 
 def measure_pair(fns, carries, warmup: int, repetitions: int, budget_s: float):
@@ -336,7 +396,7 @@ def measure_pair(fns, carries, warmup: int, repetitions: int, budget_s: float):
   samples = ([], [])
   start = time.perf_counter()
   for rep in range(repetitions):
-    for i in ((0, 1) if rep % 2 == 0 else (1, 0)):
+    for i in (0, 1) if rep % 2 == 0 else (1, 0):
       t0 = time.perf_counter()
       carries[i] = jax.block_until_ready(fns[i](*carries[i]))
       samples[i].append(time.perf_counter() - t0)
@@ -348,41 +408,49 @@ def measure_pair(fns, carries, warmup: int, repetitions: int, budget_s: float):
 def summarize(model, method, baseline, temperature, kind, t_method, t_base):
   iqr = lambda t: float(np.percentile(t, 75) - np.percentile(t, 25)) * 1e3
   return {
-      "model": model, "method": method, "baseline": baseline,
-      "temperature": temperature, "kind": kind,
-      "method_ms": float(np.median(t_method)) * 1e3,
-      "baseline_ms": float(np.median(t_base)) * 1e3,
-      "ratio": float(np.median(t_method) / np.median(t_base)),
-      "ratio_of_paired": float(np.median(t_method / t_base)),
-      "method_iqr_ms": iqr(t_method), "baseline_iqr_ms": iqr(t_base),
-      "repetitions": int(len(t_method)),
+    "model": model,
+    "method": method,
+    "baseline": baseline,
+    "temperature": temperature,
+    "kind": kind,
+    "method_ms": float(np.median(t_method)) * 1e3,
+    "baseline_ms": float(np.median(t_base)) * 1e3,
+    "ratio": float(np.median(t_method) / np.median(t_base)),
+    "ratio_of_paired": float(np.median(t_method / t_base)),
+    "method_iqr_ms": iqr(t_method),
+    "baseline_iqr_ms": iqr(t_base),
+    "repetitions": len(t_method),
   }
 
 
 def targets_from(results) -> list[dict]:
   def find(model, method, temperature_positive, kind):
     for r in results:
-      if (r["model"] == model and r["method"] == method and r["kind"] == kind
-          and (r["temperature"] > 0) == temperature_positive):
+      if (
+        r["model"] == model
+        and r["method"] == method
+        and r["kind"] == kind
+        and (r["temperature"] > 0) == temperature_positive
+      ):
         return r["ratio"]
     return None
 
   spec = [
-      ("c_cola_ud update / SGD-m update, tau=0, mlp784", ("mlp784", "c_cola_ud", False, "update"), 2.0),
-      ("c_cola_ud step / SGD-m step, tau=0, mlp784", ("mlp784", "c_cola_ud", False, "step"), 1.25),
-      ("c_cola_ud step / SGD-m step, tau>0, mlp784", ("mlp784", "c_cola_ud", True, "step"), 2.0),
-      ("o_cola_od step / SGD step, tau=0, spiral8x100", ("spiral8x100", "o_cola_od", False, "step"), 1.5),
+    ("c_cola_ud update / SGD-m update, tau=0, mlp784", ("mlp784", "c_cola_ud", False, "update"), 2.0),
+    ("c_cola_ud step / SGD-m step, tau=0, mlp784", ("mlp784", "c_cola_ud", False, "step"), 1.25),
+    ("c_cola_ud step / SGD-m step, tau>0, mlp784", ("mlp784", "c_cola_ud", True, "step"), 2.0),
+    ("o_cola_od step / SGD step, tau=0, spiral8x100", ("spiral8x100", "o_cola_od", False, "step"), 1.5),
   ]
   out = []
   for name, where, limit in spec:
     value = find(*where)
-    out.append({"name": name, "value": value, "limit": limit,
-                "met": None if value is None else bool(value <= limit)})
+    out.append({"name": name, "value": value, "limit": limit, "met": None if value is None else bool(value <= limit)})
   return out
 
 
 def plot(results, path):
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
@@ -395,8 +463,11 @@ def plot(results, path):
     for j, (kind, noisy) in enumerate(series):
       values = []
       for m in methods:
-        match = [r["ratio"] for r in results if r["model"] == model and r["method"] == m
-                 and r["kind"] == kind and (r["temperature"] > 0) == noisy]
+        match = [
+          r["ratio"]
+          for r in results
+          if r["model"] == model and r["method"] == m and r["kind"] == kind and (r["temperature"] > 0) == noisy
+        ]
         values.append(match[0] if match else np.nan)
       xs = np.arange(len(methods)) + (j - 1.5) * width
       ax.bar(xs, values, width, label=f"{kind}, tau{'>0' if noisy else '=0'}")
@@ -413,21 +484,26 @@ def plot(results, path):
 
 
 def table(results, state_bytes, targets) -> str:
-  lines = [f"{'model':12s} {'method':10s} {'tau':>7s} {'kind':6s} {'method ms':>10s} "
-           f"{'base ms':>9s} {'ratio':>7s} {'paired':>7s} {'n':>4s}"]
+  lines = [
+    f"{'model':12s} {'method':10s} {'tau':>7s} {'kind':6s} {'method ms':>10s} "
+    f"{'base ms':>9s} {'ratio':>7s} {'paired':>7s} {'n':>4s}"
+  ]
   for r in results:
     lines.append(
-        f"{r['model']:12s} {r['method']:10s} {r['temperature']:7.0e} {r['kind']:6s} "
-        f"{r['method_ms']:10.3f} {r['baseline_ms']:9.3f} {r['ratio']:7.2f} "
-        f"{r['ratio_of_paired']:7.2f} {r['repetitions']:4d}")
+      f"{r['model']:12s} {r['method']:10s} {r['temperature']:7.0e} {r['kind']:6s} "
+      f"{r['method_ms']:10.3f} {r['baseline_ms']:9.3f} {r['ratio']:7.2f} "
+      f"{r['ratio_of_paired']:7.2f} {r['repetitions']:4d}"
+    )
   passes = [r for r in results if r.get("array_passes") and r["array_passes"]["method"]]
   if passes:
     lines.append("")
     lines.append(f"{'model':12s} {'method':10s} {'tau':>7s} arrays read+written by the update (method vs baseline)")
     for r in passes:
       m, b = r["array_passes"]["method"], r["array_passes"]["baseline"]
-      lines.append(f"{r['model']:12s} {r['method']:10s} {r['temperature']:7.0e} "
-                   f"{m['reads']}+{m['writes']} vs {b['reads']}+{b['writes']}")
+      lines.append(
+        f"{r['model']:12s} {r['method']:10s} {r['temperature']:7.0e} "
+        f"{m['reads']}+{m['writes']} vs {b['reads']}+{b['writes']}"
+      )
   lines.append("")
   lines.append(f"{'model':12s} {'method':10s} {'state bytes':>12s} {'baseline':>10s} {'ratio':>6s}")
   for model, per in state_bytes.items():
@@ -443,22 +519,22 @@ def table(results, state_bytes, targets) -> str:
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--smoke", action="store_true",
-                 help="tiny models and a few repetitions: a check that runs in seconds")
-  p.add_argument("--out", default=None,
-                 help="output directory (default: results/; a --smoke run: a new temporary folder)")
-  p.add_argument("--models", nargs="+", default=["mlp784", "spiral8x100"],
-                 choices=["mlp784", "spiral8x100"])
+  p = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  p.add_argument("--smoke", action="store_true", help="tiny models and a few repetitions: a check that runs in seconds")
+  p.add_argument(
+    "--out", default=None, help="output directory (default: results/; a --smoke run: a new temporary folder)"
+  )
+  p.add_argument("--models", nargs="+", default=["mlp784", "spiral8x100"], choices=["mlp784", "spiral8x100"])
   p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-  p.add_argument("--skip-heavy", action="store_true",
-                 help="skip o-CoLA on mlp784 (quasi-Newton on a 784x1000 matrix, slow)")
+  p.add_argument(
+    "--skip-heavy", action="store_true", help="skip o-CoLA on mlp784 (quasi-Newton on a 784x1000 matrix, slow)"
+  )
   p.add_argument("--temperature", type=float, default=1e-6, help="the tau > 0 setting")
   p.add_argument("--repetitions", type=int, default=300, help="timed pairs per measurement")
   p.add_argument("--warmup", type=int, default=10)
-  p.add_argument("--budget", type=float, default=20.0,
-                 help="seconds at most per measurement (heavy ones stop early)")
+  p.add_argument("--budget", type=float, default=20.0, help="seconds at most per measurement (heavy ones stop early)")
   p.add_argument("--h-c-od", type=float, default=0.1)
   p.add_argument("--h-c-ud", type=float, default=0.3)
   p.add_argument("--h-o-od", type=float, default=0.1)
@@ -496,6 +572,7 @@ def main(argv=None) -> dict:
     if args.no_progress:
       raise ImportError
     from tqdm import tqdm
+
     progress = tqdm(total=len(jobs), desc="step overhead", file=sys.stderr)
   except ImportError:
     progress = None
@@ -516,8 +593,11 @@ def main(argv=None) -> dict:
     tx, base_tx, base_name, hyper = make_pair(method, model, args, temperature)
     if temperature == 0:
       state_bytes.setdefault(model.name, {})[method] = {
-          "method": tree_bytes(tx.init(params)), "baseline": tree_bytes(base_tx.init(params)),
-          "baseline_name": base_name, "params": tree_bytes(params)}
+        "method": tree_bytes(tx.init(params)),
+        "baseline": tree_bytes(base_tx.init(params)),
+        "baseline_name": base_name,
+        "params": tree_bytes(params),
+      }
     f_m, c_m = build(kind, tx, loss_fn, params, grads, batch)
     base_key = (model.name, base_name, kind)
     if base_key not in baselines:  # one compiled baseline serves several methods
@@ -529,9 +609,11 @@ def main(argv=None) -> dict:
     record["hyperparameters"] = hyper
     if kind == "update":
       largest = max(jax.tree.leaves(params), key=lambda leaf: leaf.size).shape
-      record["array_passes"] = {"shape": list(largest),
-                                "method": array_passes(f_m, c_m, largest),
-                                "baseline": array_passes(f_b, c_b, largest)}
+      record["array_passes"] = {
+        "shape": list(largest),
+        "method": array_passes(f_m, c_m, largest),
+        "baseline": array_passes(f_b, c_b, largest),
+      }
     results.append(record)
     if progress is not None:
       progress.set_postfix_str(f"{model.name} {method} tau={temperature:g} {kind}: {record['ratio']:.2f}x")
@@ -542,8 +624,7 @@ def main(argv=None) -> dict:
   floor = None
   if "mlp784" in args.models and "c_cola_ud" in args.methods:
     model = next(m for m in models(args.smoke) if m.name == "mlp784")
-    floor = one_loop_floor((model.sizes[0], model.sizes[1]), model.radius["Dense_0"],
-                           args.h_c_ud, args.friction, args)
+    floor = one_loop_floor((model.sizes[0], model.sizes[1]), model.radius["Dense_0"], args.h_c_ud, args.friction, args)
 
   products = None
   if "spiral8x100" in cache and "o_cola_od" in args.methods:
@@ -552,34 +633,44 @@ def main(argv=None) -> dict:
 
   targets = targets_from(results)
   report = {
-      "meta": provenance(argv, start),
-      "config": {
-          "smoke": args.smoke, "repetitions": args.repetitions, "warmup": args.warmup,
-          "budget_s": args.budget, "temperatures": temperatures,
-          "models": {m.name: {"sizes": list(m.sizes), "batch": m.batch, "loss": m.loss,
-                              "radius": m.radius} for m in models(args.smoke)},
-          "methods": args.methods, "skip_heavy": args.skip_heavy,
-          "timing": "median over interleaved repetitions after warm-up; jit with donated "
-                    "params and state; jax.block_until_ready after every call",
+    "meta": provenance(argv, start),
+    "config": {
+      "smoke": args.smoke,
+      "repetitions": args.repetitions,
+      "warmup": args.warmup,
+      "budget_s": args.budget,
+      "temperatures": temperatures,
+      "models": {
+        m.name: {"sizes": list(m.sizes), "batch": m.batch, "loss": m.loss, "radius": m.radius}
+        for m in models(args.smoke)
       },
-      "results": results,
-      "state_bytes": state_bytes,
-      "targets": targets,
-      "one_loop_floor": floor,
-      "projection_floor": products,
+      "methods": args.methods,
+      "skip_heavy": args.skip_heavy,
+      "timing": "median over interleaved repetitions after warm-up; jit with donated "
+      "params and state; jax.block_until_ready after every call",
+    },
+    "results": results,
+    "state_bytes": state_bytes,
+    "targets": targets,
+    "one_loop_floor": floor,
+    "projection_floor": products,
   }
   json_path = os.path.join(args.out, "step_overhead.json")
   write_json(json_path, report)
   plot(results, os.path.join(args.out, "step_overhead.png"))
   print(table(results, state_bytes, targets))
   if floor is not None:
-    print(f"\none-loop updates of the {floor['shape']} kernel, no donation: c-CoLA-ud "
-          f"{floor['method_ms']:.3f} ms, SGD-m {floor['baseline_ms']:.3f} ms, "
-          f"ratio {floor['ratio']:.2f} (the arithmetic floor of the update ratio)")
+    print(
+      f"\none-loop updates of the {floor['shape']} kernel, no donation: c-CoLA-ud "
+      f"{floor['method_ms']:.3f} ms, SGD-m {floor['baseline_ms']:.3f} ms, "
+      f"ratio {floor['ratio']:.2f} (the arithmetic floor of the update ratio)"
+    )
   if products is not None:
-    print(f"two products per square kernel ({products['layers']} x {products['shape']}): "
-          f"{products['products_ms']:.3f} ms, SGD's whole step {products['sgd_step_ms']:.3f} ms: "
-          f"o-CoLA-od / SGD >= {products['ratio_bound']:.2f}")
+    print(
+      f"two products per square kernel ({products['layers']} x {products['shape']}): "
+      f"{products['products_ms']:.3f} ms, SGD's whole step {products['sgd_step_ms']:.3f} ms: "
+      f"o-CoLA-od / SGD >= {products['ratio_bound']:.2f}"
+    )
   print(f"\nwrote {json_path} and {os.path.join(args.out, 'step_overhead.png')}")
   return report
 

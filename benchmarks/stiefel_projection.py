@@ -88,19 +88,32 @@ import time
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from cola_jax.constraints import stiefel_projection as sp  # noqa: E402
+from cola_jax.constraints import stiefel_projection as sp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
-from harness.report import output_dir  # noqa: E402
-from _common import finite_list, provenance, write_json  # noqa: E402
+from _common import finite_list, provenance, write_json
+from harness.report import output_dir
 
 TOP_KEYS = ("meta", "config", "floors", "results", "batching", "targets")
-RESULT_KEYS = ("shape", "h", "kind", "method", "force", "ms", "iterations", "converged",
-               "defect", "distance_to_q_bar", "distance_to_paper", "rho", "order")
+RESULT_KEYS = (
+  "shape",
+  "h",
+  "kind",
+  "method",
+  "force",
+  "ms",
+  "iterations",
+  "converged",
+  "defect",
+  "distance_to_q_bar",
+  "distance_to_paper",
+  "rho",
+  "order",
+)
 PAPER_FORCE = ("quasi_newton", "newton_multiplier", "square_root")
 OTHER = ("polar", "qr_tangent", "qr_ambient", "cayley_tangent")
 METHODS = PAPER_FORCE + OTHER
@@ -186,8 +199,7 @@ def method_fn(name, tolerance, max_iterations):
   if name in PAPER_FORCE:
     f = getattr(sp, f"{name}_projection")
     return lambda q_n, q_bar: tuple(f(q_n, q_bar, tolerance, max_iterations))
-  f = {"polar": polar, "qr_tangent": qr_tangent, "qr_ambient": qr_ambient,
-       "cayley_tangent": cayley_tangent}[name]
+  f = {"polar": polar, "qr_tangent": qr_tangent, "qr_ambient": qr_ambient, "cayley_tangent": cayley_tangent}[name]
 
   def direct(q_n, q_bar):
     q = f(q_n, q_bar)
@@ -269,21 +281,28 @@ def project_layers_vmap(f):
 def targets_from(results):
   out = []
   for h in sorted({r["h"] for r in results}):
-    rows = {r["method"]: r for r in results
-            if r["shape"] == [512, 512] and r["h"] == h and r["kind"] == "em"}
+    rows = {r["method"]: r for r in results if r["shape"] == [512, 512] and r["h"] == h and r["kind"] == "em"}
     if "polar" not in rows:
       continue
-    best = min((rows[m] for m in PAPER_FORCE if m in rows and rows[m]["converged"]),
-               key=lambda r: r["ms"], default=None)
+    best = min(
+      (rows[m] for m in PAPER_FORCE if m in rows and rows[m]["converged"]), key=lambda r: r["ms"], default=None
+    )
     value = None if best is None else best["ms"] / rows["polar"]["ms"]
-    out.append({"name": f"512x512, h={h}: fastest Q_n-force method time / SVD polar time",
-                "method": None if best is None else best["method"], "value": value,
-                "limit": 0.5, "met": None if value is None else bool(value <= 0.5)})
+    out.append(
+      {
+        "name": f"512x512, h={h}: fastest Q_n-force method time / SVD polar time",
+        "method": None if best is None else best["method"],
+        "value": value,
+        "limit": 0.5,
+        "met": None if value is None else bool(value <= 0.5),
+      }
+    )
   return out
 
 
 def plot(results, batching, path):
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
@@ -292,12 +311,13 @@ def plot(results, batching, path):
   hs = sorted({r["h"] for r in results})
   for i, method in enumerate(METHODS):
     for h, style in zip(hs, ("--", "-")):
-      rows = sorted((r for r in results if r["method"] == method and r["h"] == h
-                     and r["kind"] == "em"), key=lambda r: r["shape"][0] * r["shape"][1])
+      rows = sorted(
+        (r for r in results if r["method"] == method and r["h"] == h and r["kind"] == "em"),
+        key=lambda r: r["shape"][0] * r["shape"][1],
+      )
       ns = [np.sqrt(r["shape"][0] * r["shape"][1]) for r in rows]
       ms = [r["ms"] if r["converged"] else np.nan for r in rows]
-      ax.plot(ns, ms, style, marker="o", color=f"C{i}",
-              label=method if h == hs[-1] else None)
+      ax.plot(ns, ms, style, marker="o", color=f"C{i}", label=method if h == hs[-1] else None)
   ax.set_xscale("log", base=2)
   ax.set_yscale("log")
   ax.set_xlabel("sqrt(r s) (r x s matrix; square and tall)")
@@ -325,28 +345,31 @@ def table(floors, results, batching, targets, tolerance) -> str:
     if f["floor"] is None:
       lines.append(f"{f['shape'][0]:4d}x{f['shape'][1]:<4d} {'n/a':>8s}  no paper point")
       continue
-    note = (f"--tolerance below {FLOOR_MARGIN} x floor: {f['tolerance']:.2e} used"
-            if f["tolerance"] > tolerance else "")
+    note = f"--tolerance below {FLOOR_MARGIN} x floor: {f['tolerance']:.2e} used" if f["tolerance"] > tolerance else ""
     lines.append(f"{f['shape'][0]:4d}x{f['shape'][1]:<4d} {f['floor']:8.1e}  {note}")
   lines.append("")
-  lines.append(f"{'shape':>9s} {'h':>5s} {'kind':7s} {'rho':>5s} {'method':17s} {'ms':>9s} "
-               f"{'it':>4s} {'ok':>3s} {'defect':>8s} {'|Q-Qbar|':>9s} {'|Q-Qpap|':>9s} "
-               f"{'order':>5s}")
+  lines.append(
+    f"{'shape':>9s} {'h':>5s} {'kind':7s} {'rho':>5s} {'method':17s} {'ms':>9s} "
+    f"{'it':>4s} {'ok':>3s} {'defect':>8s} {'|Q-Qbar|':>9s} {'|Q-Qpap|':>9s} "
+    f"{'order':>5s}"
+  )
   for r in results:
     fmt = lambda v, spec: "n/a".rjust(len(format(1.0, spec))) if v is None else format(v, spec)
     lines.append(
-        f"{r['shape'][0]:4d}x{r['shape'][1]:<4d} {r['h']:5.2f} {r['kind']:7s} "
-        f"{fmt(r['rho'], '5.2f')} {r['method']:17s} {r['ms']:9.2f} {r['iterations']:4d} "
-        f"{'yes' if r['converged'] else 'NO':>3s} {fmt(r['defect'], '8.1e')} "
-        f"{fmt(r['distance_to_q_bar'], '9.2e')} {fmt(r['distance_to_paper'], '9.2e')} "
-        f"{fmt(r['order'], '5.2f')}")
+      f"{r['shape'][0]:4d}x{r['shape'][1]:<4d} {r['h']:5.2f} {r['kind']:7s} "
+      f"{fmt(r['rho'], '5.2f')} {r['method']:17s} {r['ms']:9.2f} {r['iterations']:4d} "
+      f"{'yes' if r['converged'] else 'NO':>3s} {fmt(r['defect'], '8.1e')} "
+      f"{fmt(r['distance_to_q_bar'], '9.2e')} {fmt(r['distance_to_paper'], '9.2e')} "
+      f"{fmt(r['order'], '5.2f')}"
+    )
   lines.append("")
-  lines.append(f"{'layers':>14s} {'method':13s} {'loop ms':>9s} {'vmap ms':>9s} "
-               f"{'loop/vmap':>9s} {'max |diff|':>10s}")
+  lines.append(f"{'layers':>14s} {'method':13s} {'loop ms':>9s} {'vmap ms':>9s} {'loop/vmap':>9s} {'max |diff|':>10s}")
   for b in batching:
-    lines.append(f"{b['layers']:3d} x {b['shape'][0]:4d}x{b['shape'][1]:<4d} {b['method']:13s} "
-                 f"{b['loop_ms']:9.2f} {b['vmap_ms']:9.2f} {b['ratio']:9.2f} "
-                 f"{b['max_difference']:10.1e}")
+    lines.append(
+      f"{b['layers']:3d} x {b['shape'][0]:4d}x{b['shape'][1]:<4d} {b['method']:13s} "
+      f"{b['loop_ms']:9.2f} {b['vmap_ms']:9.2f} {b['ratio']:9.2f} "
+      f"{b['max_difference']:10.1e}"
+    )
   lines.append("")
   for t in targets:
     value = "n/a" if t["value"] is None else f"{t['value']:.2f} ({t['method']})"
@@ -356,25 +379,23 @@ def table(floors, results, batching, targets, tolerance) -> str:
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--smoke", action="store_true",
-                 help="tiny sizes and one repetition: a check that runs in seconds")
-  p.add_argument("--out", default=None,
-                 help="output directory (default: results/; a --smoke run: a new temporary folder)")
-  p.add_argument("--sizes", type=int, nargs="+", default=[64, 128, 256, 512, 1024],
-                 help="square sizes n")
-  p.add_argument("--tall", nargs="*", default=["784x100", "1024x256"],
-                 help="tall shapes RxS")
+  p = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  p.add_argument("--smoke", action="store_true", help="tiny sizes and one repetition: a check that runs in seconds")
+  p.add_argument(
+    "--out", default=None, help="output directory (default: results/; a --smoke run: a new temporary folder)"
+  )
+  p.add_argument("--sizes", type=int, nargs="+", default=[64, 128, 256, 512, 1024], help="square sizes n")
+  p.add_argument("--tall", nargs="*", default=["784x100", "1024x256"], help="tall shapes RxS")
   p.add_argument("--h", type=float, nargs="+", default=[0.01, 0.1], help="step sizes")
-  p.add_argument("--temperature", type=float, default=2.5e-4,
-                 help="tau of the Euler-Maruyama noise sqrt(2 tau h) R")
-  p.add_argument("--grad-rms", type=float, default=0.07,
-                 help="RMS of the gradient-like G's entries")
+  p.add_argument("--temperature", type=float, default=2.5e-4, help="tau of the Euler-Maruyama noise sqrt(2 tau h) R")
+  p.add_argument("--grad-rms", type=float, default=0.07, help="RMS of the gradient-like G's entries")
   p.add_argument("--tolerance", type=float, default=1e-5, help="on ||Q^T Q - I||_F")
   p.add_argument("--max-iterations", type=int, default=100)
-  p.add_argument("--split-shape", default="512x512",
-                 help="the shape RxS also run with the tangential / normal part alone")
+  p.add_argument(
+    "--split-shape", default="512x512", help="the shape RxS also run with the tangential / normal part alone"
+  )
   p.add_argument("--repetitions", type=int, default=15, help="timed calls at most")
   p.add_argument("--budget", type=float, default=1.5, help="seconds at most per measurement")
   p.add_argument("--seed", type=int, default=0)
@@ -405,8 +426,7 @@ def main(argv=None) -> dict:
     for kind in kinds:
       per_h = {}
       for h in args.h:
-        d = make_step(jax.random.fold_in(k_d, int(round(h * 1e6))), q_n, h, args.temperature,
-                      args.grad_rms, kind)
+        d = make_step(jax.random.fold_in(k_d, round(h * 1e6)), q_n, h, args.temperature, args.grad_rms, kind)
         q_bar = q_n + d
         y = np.asarray(q_n.T @ d, np.float64)
         rho = float(np.linalg.norm(0.5 * (y - y.T), 2))
@@ -420,39 +440,56 @@ def main(argv=None) -> dict:
           seconds, reps = time_call(fns[method], (q_n, q_bar), args.repetitions, args.budget)
           q64 = np.asarray(q, np.float64)
           record = {
-              "shape": [r, s], "h": h, "kind": kind, "method": method,
-              "force": "Q_n" if method in PAPER_FORCE else
-                       {"polar": "Q_{n+1}", "qr_ambient": "Q_bar R^-1 (triangular)"}.get(
-                           method, "tangent retraction"),
-              "tolerance": tolerance, "ms": seconds * 1e3, "repetitions": reps, "iterations": int(iterations),
-              "converged": bool(converged), "defect": finite_list(sp.defect(q)),
-              "distance_to_q_bar": finite_list(np.linalg.norm(q64 - np.asarray(q_bar))),
-              "distance_to_paper": None if paper is None else
-                                   finite_list(np.linalg.norm(q64 - paper)),
-              "rho": rho, "step_norm": float(jnp.linalg.norm(d)),
-              "tangential_norm": float(jnp.linalg.norm(d - normal_part(q_n, d))),
-              "normal_norm": float(jnp.linalg.norm(normal_part(q_n, d))),
-              "order": None,
+            "shape": [r, s],
+            "h": h,
+            "kind": kind,
+            "method": method,
+            "force": "Q_n"
+            if method in PAPER_FORCE
+            else {"polar": "Q_{n+1}", "qr_ambient": "Q_bar R^-1 (triangular)"}.get(method, "tangent retraction"),
+            "tolerance": tolerance,
+            "ms": seconds * 1e3,
+            "repetitions": reps,
+            "iterations": int(iterations),
+            "converged": bool(converged),
+            "defect": finite_list(sp.defect(q)),
+            "distance_to_q_bar": finite_list(np.linalg.norm(q64 - np.asarray(q_bar))),
+            "distance_to_paper": None if paper is None else finite_list(np.linalg.norm(q64 - paper)),
+            "rho": rho,
+            "step_norm": float(jnp.linalg.norm(d)),
+            "tangential_norm": float(jnp.linalg.norm(d - normal_part(q_n, d))),
+            "normal_norm": float(jnp.linalg.norm(normal_part(q_n, d))),
+            "order": None,
           }
           per_h.setdefault(method, []).append(record)
           results.append(record)
       for records in per_h.values():  # slope of log |Q - Q_paper| against log |D|
-        pts = [(rec["step_norm"], rec["distance_to_paper"]) for rec in records
-               if rec["distance_to_paper"] and rec["distance_to_paper"] > 10 * args.tolerance]
+        pts = [
+          (rec["step_norm"], rec["distance_to_paper"])
+          for rec in records
+          if rec["distance_to_paper"] and rec["distance_to_paper"] > 10 * args.tolerance
+        ]
         if len(pts) >= 2 and pts[-1][0] != pts[0][0]:
           order = np.log(pts[-1][1] / pts[0][1]) / np.log(pts[-1][0] / pts[0][0])
           for rec in records:
             rec["order"] = float(order)
-    floors.append({"shape": [r, s], "floor": floor, "tolerance": tolerance,
-                   "estimate_sqrt_s_times_s_eps": float(np.sqrt(s) * s * np.finfo(np.float32).eps)})
+    floors.append(
+      {
+        "shape": [r, s],
+        "floor": floor,
+        "tolerance": tolerance,
+        "estimate_sqrt_s_times_s_eps": float(np.sqrt(s) * s * np.finfo(np.float32).eps),
+      }
+    )
 
   batching = []
   h_batch = max(args.h)
   for layers, r, s in batch_stacks:
     keys = jax.random.split(jax.random.fold_in(key, 1000 + r), layers)
     qs_n = jnp.stack([random_orthonormal(k, r, s) for k in keys])
-    qs_bar = qs_n + jnp.stack([make_step(jax.random.fold_in(k, 1), q, h_batch, args.temperature,
-                                         args.grad_rms) for k, q in zip(keys, qs_n)])
+    qs_bar = qs_n + jnp.stack(
+      [make_step(jax.random.fold_in(k, 1), q, h_batch, args.temperature, args.grad_rms) for k, q in zip(keys, qs_n)]
+    )
     for method in BATCH_METHODS:
       f = method_fn(method, args.tolerance, args.max_iterations)
       loop, vmapped = jax.jit(project_layers_loop(f)), jax.jit(project_layers_vmap(f))
@@ -460,33 +497,47 @@ def main(argv=None) -> dict:
       q_vmap, _, ok_vmap = vmapped(qs_n, qs_bar)
       t_loop, _ = time_call(loop, (qs_n, qs_bar), args.repetitions, args.budget)
       t_vmap, _ = time_call(vmapped, (qs_n, qs_bar), args.repetitions, args.budget)
-      batching.append({
-          "layers": layers, "shape": [r, s], "h": h_batch, "method": method,
-          "loop_ms": t_loop * 1e3, "vmap_ms": t_vmap * 1e3, "ratio": t_loop / t_vmap,
+      batching.append(
+        {
+          "layers": layers,
+          "shape": [r, s],
+          "h": h_batch,
+          "method": method,
+          "loop_ms": t_loop * 1e3,
+          "vmap_ms": t_vmap * 1e3,
+          "ratio": t_loop / t_vmap,
           "iterations_per_layer": [int(i) for i in it_loop],
           "converged": bool(jnp.all(ok_loop) & jnp.all(ok_vmap)),
           "max_difference": float(jnp.max(jnp.abs(q_loop - q_vmap))),
-      })
+        }
+      )
 
   targets = targets_from(results)
   report = {
-      "meta": provenance(argv, start),
-      "config": {
-          "smoke": args.smoke, "shapes": [list(sh) for sh in shapes], "h": args.h,
-          "temperature": args.temperature, "grad_rms": args.grad_rms,
-          "gradient_rank": "min(128, s)", "tolerance": args.tolerance,
-          "tolerance_norm": "Frobenius", "max_iterations": args.max_iterations,
-          "split_shape": args.split_shape, "repetitions": args.repetitions,
-          "budget_s": args.budget, "dtype": "float32", "methods": list(METHODS),
-          "batch_stacks": [list(b) for b in batch_stacks],
-          "timing": "jit; one warm-up call excluded; median of repetitions; "
-                    "jax.block_until_ready after every call",
-          "distance_to_paper": "Frobenius distance to the paper's point computed in float64",
-      },
-      "floors": floors,
-      "results": results,
-      "batching": batching,
-      "targets": targets,
+    "meta": provenance(argv, start),
+    "config": {
+      "smoke": args.smoke,
+      "shapes": [list(sh) for sh in shapes],
+      "h": args.h,
+      "temperature": args.temperature,
+      "grad_rms": args.grad_rms,
+      "gradient_rank": "min(128, s)",
+      "tolerance": args.tolerance,
+      "tolerance_norm": "Frobenius",
+      "max_iterations": args.max_iterations,
+      "split_shape": args.split_shape,
+      "repetitions": args.repetitions,
+      "budget_s": args.budget,
+      "dtype": "float32",
+      "methods": list(METHODS),
+      "batch_stacks": [list(b) for b in batch_stacks],
+      "timing": "jit; one warm-up call excluded; median of repetitions; jax.block_until_ready after every call",
+      "distance_to_paper": "Frobenius distance to the paper's point computed in float64",
+    },
+    "floors": floors,
+    "results": results,
+    "batching": batching,
+    "targets": targets,
   }
   json_path = os.path.join(args.out, "stiefel_projection.json")
   write_json(json_path, report)

@@ -131,47 +131,51 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-import cola_jax as cola  # noqa: E402
+import cola_jax as cola
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
-from harness.report import output_dir  # noqa: E402
-from _common import finite_list, mean_std, mean_std_fields, nan_array, provenance, torch_uniform, write_json  # noqa: E402
+from _common import finite_list, mean_std, mean_std_fields, nan_array, provenance, torch_uniform, write_json
+from harness.report import output_dir
 
 SCHEMA_VERSION = 1
 CORPORA = ("kjv", "ptb", "wikitext2")
-FILES = {"ptb": ("ptb.train.txt", "ptb.valid.txt", "ptb.test.txt"),
-         "wikitext2": ("wiki.train.tokens", "wiki.valid.tokens", "wiki.test.tokens"),
-         "kjv": ("kjv.txt",)}
+FILES = {
+  "ptb": ("ptb.train.txt", "ptb.valid.txt", "ptb.test.txt"),
+  "wikitext2": ("wiki.train.tokens", "wiki.valid.tokens", "wiki.test.tokens"),
+  "kjv": ("kjv.txt",),
+}
 KJV_RANGE = "gen1:1-rev22:21"
 INSTALL_HINT = {
-    "kjv": "Install Debian's `bible` program (`apt-get install bible-kjv`, which pulls in "
-           "bible-kjv-text), or pass --data-dir DIR with kjv.txt, the output of "
-           f"`bible -f \"{KJV_RANGE}\"`.",
-    "ptb": "Pass --data-dir DIR holding ptb.train.txt, ptb.valid.txt, ptb.test.txt (Mikolov's "
-           "preprocessed Penn Treebank, as in PyTorch's word_language_model example, data/penn).",
-    "wikitext2": "Pass --data-dir DIR holding wiki.train.tokens, wiki.valid.tokens, wiki.test.tokens "
-                 "(WikiText-2 v1, word level, from Salesforce/Merity et al.).",
+  "kjv": "Install Debian's `bible` program (`apt-get install bible-kjv`, which pulls in "
+  "bible-kjv-text), or pass --data-dir DIR with kjv.txt, the output of "
+  f'`bible -f "{KJV_RANGE}"`.',
+  "ptb": "Pass --data-dir DIR holding ptb.train.txt, ptb.valid.txt, ptb.test.txt (Mikolov's "
+  "preprocessed Penn Treebank, as in PyTorch's word_language_model example, data/penn).",
+  "wikitext2": "Pass --data-dir DIR holding wiki.train.tokens, wiki.valid.tokens, wiki.test.tokens "
+  "(WikiText-2 v1, word level, from Salesforce/Merity et al.).",
 }
 # Per corpus: batch size and c-CoLA-ud friction (paper: PTB 1024 / 0.5, Wikitext-2 128 / 1).
-CORPUS_SETTINGS = {"ptb": dict(batch_size=1024, friction=0.5),
-                   "wikitext2": dict(batch_size=128, friction=1.0),
-                   "kjv": dict(batch_size=128, friction=1.0)}
+CORPUS_SETTINGS = {
+  "ptb": dict(batch_size=1024, friction=0.5),
+  "wikitext2": dict(batch_size=128, friction=1.0),
+  "kjv": dict(batch_size=128, friction=1.0),
+}
 KJV_BLOCK, KJV_CYCLE = 100, 20  # verses per block; block b % 20: 18 -> valid, 19 -> test
 VOCAB_CAP = 10_000  # kjv only, <eos> and <unk> included
 CCOLA_H = 0.4
 RADII = {"other": 0.5, "linear": 0.1, "norm": 1.0, "attention": 1.0}  # r, r_L, r_N, r_A
 SGDM_GRID = ((0.1, 0.7), (0.1, 0.8), (0.1, 0.9), (0.2, 0.7), (0.2, 0.8), (0.2, 0.9))
-_PUB_SGDM = {"ptb": (4.87, 4.83, 4.84, 4.83, 4.83, 4.83),
-             "wikitext2": (5.13, 5.13, 5.13, 5.13, 5.14, 5.13)}
+_PUB_SGDM = {"ptb": (4.87, 4.83, 4.84, 4.83, 4.83, 4.83), "wikitext2": (5.13, 5.13, 5.13, 5.13, 5.14, 5.13)}
 DEFAULT_EPOCHS = 2
 SMOKE = dict(seeds=2, epochs=3, batch_size=16)
 # --smoke compiles with fewer LLVM passes: 2/3 of the compile time, which dominates a run of seconds.
@@ -183,8 +187,10 @@ def sgdm_name(h: float, momentum: float) -> str:
 
 
 # Published minimum validation loss (Table "NLPexp"), per corpus and method.
-PUBLISHED = {corpus: {"ccola_ud": ccola, **{sgdm_name(h, m): v for (h, m), v in zip(SGDM_GRID, _PUB_SGDM[corpus])}}
-             for corpus, ccola in (("ptb", 4.81), ("wikitext2", 5.09))}
+PUBLISHED = {
+  corpus: {"ccola_ud": ccola, **{sgdm_name(h, m): v for (h, m), v in zip(SGDM_GRID, _PUB_SGDM[corpus])}}
+  for corpus, ccola in (("ptb", 4.81), ("wikitext2", 5.09))
+}
 DEFAULT_METHODS = ("ccola_ud", sgdm_name(0.1, 0.8))
 GRID_METHODS = tuple(sgdm_name(h, m) for h, m in SGDM_GRID)
 
@@ -220,11 +226,12 @@ def parse_method(method: str) -> dict:
       raise ValueError
     return {"kind": "sgdm", "lr": float(match[1]), "momentum": float(match[2])}
   except ValueError:
-    raise ValueError(f"unknown method {method!r}: 'ccola_ud' or 'sgdm_h<lr>_m<momentum>', "
-                     f"e.g. {DEFAULT_METHODS[1]}") from None
+    raise ValueError(
+      f"unknown method {method!r}: 'ccola_ud' or 'sgdm_h<lr>_m<momentum>', e.g. {DEFAULT_METHODS[1]}"
+    ) from None
 
 
-def describe(method: str, friction: Optional[float] = None) -> str:
+def describe(method: str, friction: float | None = None) -> str:
   spec = parse_method(method)
   if spec["kind"] == "ccola_ud":
     g = "" if friction is None else f" gamma={friction:g}"
@@ -242,7 +249,7 @@ def tokenize(line: str) -> list[str]:
   return _TOKEN.findall(line.lower())
 
 
-def kjv_verses(data_dir: Optional[str] = None) -> list[str]:
+def kjv_verses(data_dir: str | None = None) -> list[str]:
   """The 31,102 verses of the King James Bible, references stripped."""
   path = os.path.join(data_dir, FILES["kjv"][0]) if data_dir else None
   if path and os.path.isfile(path):
@@ -286,11 +293,11 @@ class Vocab:
     return len(self.words)
 
   @classmethod
-  def from_tokens(cls, lines: Sequence[Sequence[str]], cap: Optional[int] = None) -> "Vocab":
+  def from_tokens(cls, lines: Sequence[Sequence[str]], cap: int | None = None) -> Vocab:
     """``<eos>``, ``<unk>``, then training tokens by decreasing count (ties alphabetical), ``cap`` in all."""
     counts = collections.Counter(t for line in lines for t in line)
     ranked = sorted((w for w in counts if w not in ("<eos>", "<unk>")), key=lambda w: (-counts[w], w))
-    return cls(["<eos>", "<unk>"] + ranked[:None if cap is None else cap - 2])
+    return cls(["<eos>", "<unk>"] + ranked[: None if cap is None else cap - 2])
 
   def encode(self, lines: Sequence[Sequence[str]]) -> np.ndarray:
     """One id stream, ``<eos>`` after every line."""
@@ -305,51 +312,68 @@ def synthetic_corpus(seed: int = 0):
   """A tiny learnable stand-in: 40 words, each sentence a run of consecutive words (mod 40)."""
   rng = np.random.default_rng(seed)
   words = [f"w{i}" for i in range(40)]
+
   def lines(n):
     out = []
     for _ in range(n):
       start, length = rng.integers(0, 40), rng.integers(3, 9)
       out.append([words[(start + k) % 40] for k in range(length)])
     return out
+
   return lines(600), lines(60), lines(60)
 
 
-def make_corpus(corpus: str, data_dir: Optional[str] = None, synthetic: bool = False):
+def make_corpus(corpus: str, data_dir: str | None = None, synthetic: bool = False):
   """``(train, valid, test ids, vocab, info)`` for ``corpus`` (or the synthetic stand-in)."""
   if synthetic:
     train, valid, test = synthetic_corpus()
     vocab = Vocab.from_tokens(train)
-    info = {"source": "SYNTHETIC stand-in (runs of consecutive words over 40 words); not a real corpus",
-            "synthetic": True}
+    info = {
+      "source": "SYNTHETIC stand-in (runs of consecutive words over 40 words); not a real corpus",
+      "synthetic": True,
+    }
   elif corpus == "kjv":
     verses = kjv_verses(data_dir)
     train, valid, test = (list(map(tokenize, s)) for s in split_kjv(verses))
     vocab = Vocab.from_tokens(train, VOCAB_CAP)
-    info = {"source": ("file " + os.path.join(data_dir, FILES["kjv"][0])) if data_dir
-                      else f"`bible -f \"{KJV_RANGE}\"` (Debian bible-kjv)",
-            "synthetic": False, "verses": len(verses),
-            "preprocessing": "verse reference dropped, lowercased, split into words, punctuation marks "
-                             "and possessive 's; <eos> after each verse",
-            "split": f"blocks of {KJV_BLOCK} consecutive verses; of every {KJV_CYCLE} blocks "
-                     f"{KJV_CYCLE - 2} train, 1 valid, 1 test",
-            "vocabulary": f"{VOCAB_CAP - 2} most frequent training tokens + <eos> + <unk>"}
+    info = {
+      "source": ("file " + os.path.join(data_dir, FILES["kjv"][0]))
+      if data_dir
+      else f'`bible -f "{KJV_RANGE}"` (Debian bible-kjv)',
+      "synthetic": False,
+      "verses": len(verses),
+      "preprocessing": "verse reference dropped, lowercased, split into words, punctuation marks "
+      "and possessive 's; <eos> after each verse",
+      "split": f"blocks of {KJV_BLOCK} consecutive verses; of every {KJV_CYCLE} blocks "
+      f"{KJV_CYCLE - 2} train, 1 valid, 1 test",
+      "vocabulary": f"{VOCAB_CAP - 2} most frequent training tokens + <eos> + <unk>",
+    }
   else:
     directory = data_dir or "."
     paths = [os.path.join(directory, name) for name in FILES[corpus]]
     missing = [p for p in paths if not os.path.isfile(p)]
     if data_dir is None or missing:
-      raise FileNotFoundError(f"{corpus}: {', '.join(missing) if data_dir else '--data-dir not given'}. "
-                              f"{INSTALL_HINT[corpus]}")
+      raise FileNotFoundError(
+        f"{corpus}: {', '.join(missing) if data_dir else '--data-dir not given'}. {INSTALL_HINT[corpus]}"
+      )
     train, valid, test = ([line.split() for line in read_lines(p)] for p in paths)
     vocab = Vocab.from_tokens(train)
-    info = {"source": "files " + ", ".join(paths), "synthetic": False,
-            "preprocessing": "whitespace tokens, <eos> after each line (as the word_language_model example)",
-            "vocabulary": "every training token"}
+    info = {
+      "source": "files " + ", ".join(paths),
+      "synthetic": False,
+      "preprocessing": "whitespace tokens, <eos> after each line (as the word_language_model example)",
+      "vocabulary": "every training token",
+    }
   ids = [vocab.encode(s) for s in (train, valid, test)]
   unk = vocab.index["<unk>"]
-  info.update({"tokens": {k: int(len(a)) for k, a in zip(("train", "valid", "test"), ids)},
-               "vocab_size": len(vocab), "types_in_train": len({t for line in train for t in line}),
-               "unk_fraction": {k: float(np.mean(a == unk)) for k, a in zip(("train", "valid", "test"), ids)}})
+  info.update(
+    {
+      "tokens": {k: len(a) for k, a in zip(("train", "valid", "test"), ids)},
+      "vocab_size": len(vocab),
+      "types_in_train": len({t for line in train for t in line}),
+      "unk_fraction": {k: float(np.mean(a == unk)) for k, a in zip(("train", "valid", "test"), ids)},
+    }
+  )
   return (*ids, vocab, info)
 
 
@@ -364,7 +388,7 @@ def windows(ids: np.ndarray, batch_size: int, bptt: int):
   rows = len(ids) // batch_size
   if rows < 2:
     raise ValueError(f"{len(ids)} tokens are too few for {batch_size} columns")
-  grid = ids[:rows * batch_size].reshape(batch_size, rows)
+  grid = ids[: rows * batch_size].reshape(batch_size, rows)
   n_windows = -(-(rows - 1) // bptt)
   padded = np.zeros((batch_size, n_windows * bptt + 1), np.int32)
   padded[:, :rows] = grid
@@ -384,23 +408,30 @@ def init_transformer(key: jax.Array, vocab_size: int, config: Config) -> dict:
   k = jax.random.split(key, 8)
   xavier = math.sqrt(6.0 / (d + 3 * d))  # in_proj_weight is (3d, d)
   layer = {
-      "attention": {"in_kernel": jax.random.uniform(k[0], (d, 3 * d), jnp.float32, -xavier, xavier),
-                    "in_bias": jnp.zeros(3 * d), "out_kernel": torch_uniform(k[1], (d, d), d),
-                    "out_bias": jnp.zeros(d)},
-      "linear1": {"kernel": torch_uniform(k[2], (d, f), d), "bias": torch_uniform(k[3], (f,), d)},
-      "linear2": {"kernel": torch_uniform(k[4], (f, d), f), "bias": torch_uniform(k[5], (d,), f)},
-      "norm1": {"scale": jnp.ones(d), "bias": jnp.zeros(d)},
-      "norm2": {"scale": jnp.ones(d), "bias": jnp.zeros(d)},
+    "attention": {
+      "in_kernel": jax.random.uniform(k[0], (d, 3 * d), jnp.float32, -xavier, xavier),
+      "in_bias": jnp.zeros(3 * d),
+      "out_kernel": torch_uniform(k[1], (d, d), d),
+      "out_bias": jnp.zeros(d),
+    },
+    "linear1": {"kernel": torch_uniform(k[2], (d, f), d), "bias": torch_uniform(k[3], (f,), d)},
+    "linear2": {"kernel": torch_uniform(k[4], (f, d), f), "bias": torch_uniform(k[5], (d,), f)},
+    "norm1": {"scale": jnp.ones(d), "bias": jnp.zeros(d)},
+    "norm2": {"scale": jnp.ones(d), "bias": jnp.zeros(d)},
   }
-  params = {"embedding": {"weight": jax.random.uniform(k[6], (vocab_size, d), jnp.float32, -0.1, 0.1)},
-            "decoder": {"kernel": jax.random.uniform(k[7], (d, vocab_size), jnp.float32, -0.1, 0.1),
-                        "bias": jnp.zeros(vocab_size)}}
+  params = {
+    "embedding": {"weight": jax.random.uniform(k[6], (vocab_size, d), jnp.float32, -0.1, 0.1)},
+    "decoder": {
+      "kernel": jax.random.uniform(k[7], (d, vocab_size), jnp.float32, -0.1, 0.1),
+      "bias": jnp.zeros(vocab_size),
+    },
+  }
   # The encoder layers stacked on a leading axis (scanned over), all copies of one layer.
   params["layers"] = jax.tree.map(lambda a: jnp.broadcast_to(a, (config.n_layers,) + a.shape), layer)
   return params
 
 
-def layer_kind(path) -> Optional[str]:
+def layer_kind(path) -> str | None:
   """The radius group of a parameter (``RADII`` key), or None for biases (free)."""
   names = [getattr(p, "key", None) for p in path]
   if names[-1] in ("bias", "in_bias", "out_bias"):
@@ -417,7 +448,8 @@ def layer_kind(path) -> Optional[str]:
 def radius_tree(params, radii: dict):
   """A pytree like ``params`` with each constrained leaf's radius, None for the free ones."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: None if layer_kind(path) is None else radii[layer_kind(path)], params)
+    lambda path, _: None if layer_kind(path) is None else radii[layer_kind(path)], params
+  )
 
 
 def positional_encoding(length: int, d: int) -> jax.Array:
@@ -453,7 +485,7 @@ def _attention(x, p, n_heads, key, rate):
   return out @ p["out_kernel"] + p["out_bias"]
 
 
-def transformer(params, tokens, config: Config, key: Optional[jax.Array] = None):
+def transformer(params, tokens, config: Config, key: jax.Array | None = None):
   """Logits ``(batch, time, vocab)`` of ``tokens`` ``(batch, time)``; dropout on when ``key`` is given."""
   rate = config.dropout if key is not None else 0.0
   keys = jax.random.split(jax.random.key(0) if key is None else key, 1 + config.n_layers)
@@ -466,8 +498,9 @@ def transformer(params, tokens, config: Config, key: Optional[jax.Array] = None)
     a = _attention(x, p["attention"], config.n_heads, k[0], rate)
     x = _layer_norm(x + _dropout(k[1], a, rate), p["norm1"])
     hidden = _dropout(k[2], jax.nn.relu(x @ p["linear1"]["kernel"] + p["linear1"]["bias"]), rate)
-    return _layer_norm(x + _dropout(k[3], hidden @ p["linear2"]["kernel"] + p["linear2"]["bias"], rate),
-                       p["norm2"]), None
+    return _layer_norm(
+      x + _dropout(k[3], hidden @ p["linear2"]["kernel"] + p["linear2"]["bias"], rate), p["norm2"]
+    ), None
 
   x, _ = jax.lax.scan(encoder_layer, x, (params["layers"], keys[1:]))
   return x @ params["decoder"]["kernel"] + params["decoder"]["bias"]
@@ -510,9 +543,11 @@ def seed_keys(seed):
 
 def window_sums(params, data, config: Config):
   """Per window of ``data = (inputs, targets, weights)``: (sum of token losses, tokens), no dropout."""
+
   def one(window):
     x, y, w = window
     return jnp.sum(token_losses(params, x, y, config) * w), jnp.sum(w)
+
   return jax.lax.map(one, data)
 
 
@@ -545,8 +580,7 @@ def build(method: str, config: Config, vocab_size: int):
     """Validation and test loss, in one pass over both sets' windows (one traced forward pass)."""
     sums, counts = window_sums(params, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), valid, test), config)
     n = valid[0].shape[0]
-    return dict(valid_loss=jnp.sum(sums[:n]) / jnp.sum(counts[:n]),
-                test_loss=jnp.sum(sums[n:]) / jnp.sum(counts[n:]))
+    return dict(valid_loss=jnp.sum(sums[:n]) / jnp.sum(counts[:n]), test_loss=jnp.sum(sums[n:]) / jnp.sum(counts[n:]))
 
   def chunk_one(carry, data, n_steps):
     params, opt_state, dropout_key, step = carry
@@ -557,14 +591,22 @@ def build(method: str, config: Config, vocab_size: int):
       x, y, w = (a[step % a.shape[0]] for a in train)
       loss, grads = jax.value_and_grad(window_loss)(params, x, y, w, jax.random.fold_in(dropout_key, step))
       updates, opt_state = tx.update(grads, opt_state, params)
-      return (optax.apply_updates(params, updates), opt_state, step + 1, loss_sum + loss * jnp.sum(w),
-              count + jnp.sum(w))
+      return (
+        optax.apply_updates(params, updates),
+        opt_state,
+        step + 1,
+        loss_sum + loss * jnp.sum(w),
+        count + jnp.sum(w),
+      )
 
     params, opt_state, step, loss_sum, count = jax.lax.fori_loop(
-        0, n_steps, train_step, (params, opt_state, step, jnp.zeros(()), jnp.zeros(())))
-    metrics = dict(train_loss=jnp.where(count > 0, loss_sum / jnp.maximum(count, 1.0), jnp.nan),
-                   **held_out_losses(params, valid, test),
-                   **{f"max_abs_w_{k}": v for k, v in max_abs_by_kind(params).items()})
+      0, n_steps, train_step, (params, opt_state, step, jnp.zeros(()), jnp.zeros(()))
+    )
+    metrics = dict(
+      train_loss=jnp.where(count > 0, loss_sum / jnp.maximum(count, 1.0), jnp.nan),
+      **held_out_losses(params, valid, test),
+      **{f"max_abs_w_{k}": v for k, v in max_abs_by_kind(params).items()},
+    )
     return (params, opt_state, dropout_key, step), metrics
 
   return jax.jit(jax.vmap(init_one)), jax.jit(jax.vmap(chunk_one, in_axes=(0, None, None)))
@@ -579,34 +621,40 @@ def eval_schedule(total_steps: int, eval_steps: int) -> list[int]:
 
 
 def summarize(entry: dict) -> dict:
-  return mean_std_fields(entry, ("min_valid_loss", "final_valid_loss", "test_loss_at_min_valid",
-                                 "final_train_loss"))
+  return mean_std_fields(entry, ("min_valid_loss", "final_valid_loss", "test_loss_at_min_valid", "final_train_loss"))
 
 
 def summary_table(results: dict, methods: Sequence[str], corpus: str, friction: float) -> str:
   published = PUBLISHED.get(corpus, {})
   name_w = max(len(describe(m, friction)) for m in methods)
-  head = (f"{'method':<{name_w}}  {'min valid loss':>15}  {'(ppl)':>6}  {'at epoch':>8}  "
-          f"{'final valid loss':>16}  {'test loss at min':>16}  {'published min':>13}")
+  head = (
+    f"{'method':<{name_w}}  {'min valid loss':>15}  {'(ppl)':>6}  {'at epoch':>8}  "
+    f"{'final valid loss':>16}  {'test loss at min':>16}  {'published min':>13}"
+  )
   lines = [head, "-" * len(head)]
   for m in methods:
     r = results[m]
-    cells = [f"{mean:6.3f} ± {std:5.3f}" for mean, std in
-             (mean_std(r[k]) for k in ("min_valid_loss", "final_valid_loss", "test_loss_at_min_valid"))]
+    cells = [
+      f"{mean:6.3f} ± {std:5.3f}"
+      for mean, std in (mean_std(r[k]) for k in ("min_valid_loss", "final_valid_loss", "test_loss_at_min_valid"))
+    ]
     ppl = math.exp(mean_std(r["min_valid_loss"])[0])
     epoch = "/".join(str(e) for e in r["min_valid_loss_epoch"])
     pub = f"{published[m]:.2f}" if m in published else "-"
-    lines.append(f"{describe(m, friction):<{name_w}}  {cells[0]:>15}  {ppl:6.1f}  {epoch:>8}  "
-                 f"{cells[1]:>16}  {cells[2]:>16}  {pub:>13}")
+    lines.append(
+      f"{describe(m, friction):<{name_w}}  {cells[0]:>15}  {ppl:6.1f}  {epoch:>8}  "
+      f"{cells[1]:>16}  {cells[2]:>16}  {pub:>13}"
+    )
   return "\n".join(lines)
 
 
 def plot(results: dict, config: dict, path: str, data_info: dict) -> None:
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  methods = [m for m in config["methods"] if m in results and results[m]]
+  methods = [m for m in config["methods"] if results.get(m)]
   cmap = plt.get_cmap("tab10")
   fig, axes = plt.subplots(1, 2, figsize=(13, 5))
   for i, m in enumerate(methods):
@@ -615,24 +663,38 @@ def plot(results: dict, config: dict, path: str, data_info: dict) -> None:
     for ax, key, start in ((axes[0], "valid_loss", 0), (axes[1], "train_loss", 1)):  # no training at step 0
       a, epoch = nan_array(h[key][start:]), h["epoch"][start:]
       mean, std = np.nanmean(a, axis=1), np.nanstd(a, axis=1)
-      ax.plot(epoch, mean, color=color, lw=2 if m == "ccola_ud" else 1.2,
-              label=describe(m, config["friction"]), marker="o" if len(h["epoch"]) < 12 else None)
+      ax.plot(
+        epoch,
+        mean,
+        color=color,
+        lw=2 if m == "ccola_ud" else 1.2,
+        label=describe(m, config["friction"]),
+        marker="o" if len(h["epoch"]) < 12 else None,
+      )
       ax.fill_between(epoch, mean - std, mean + std, color=color, alpha=0.15)
   published = PUBLISHED.get(config["corpus_used"], {})
   for i, m in enumerate(methods):
     if m in published:
       axes[0].axhline(published[m], color="black" if m == "ccola_ud" else cmap(i % cmap.N), ls=":", lw=1)
-  axes[0].set(xlabel="epoch", ylabel="validation loss (nats/token)",
-              title="validation loss (mean ± std over seeds)" + ("; dotted: published minima" if published else ""))
-  axes[1].set(xlabel="epoch", ylabel="training loss (dropout on)",
-              title="training loss, mean over the steps since the previous evaluation")
+  axes[0].set(
+    xlabel="epoch",
+    ylabel="validation loss (nats/token)",
+    title="validation loss (mean ± std over seeds)" + ("; dotted: published minima" if published else ""),
+  )
+  axes[1].set(
+    xlabel="epoch",
+    ylabel="training loss (dropout on)",
+    title="training loss, mean over the steps since the previous evaluation",
+  )
   for ax in axes:
     ax.grid(alpha=0.3)
   axes[0].legend(fontsize=8)
   synthetic = " — SYNTHETIC DATA" if data_info.get("synthetic") else ""
-  fig.suptitle(f"Transformer LM on {config['corpus_used']} ({data_info['tokens']['train']:,} train tokens, "
-               f"vocab {data_info['vocab_size']:,}), batch {config['batch_size']} x bptt {config['bptt']}, "
-               f"{config['seeds']} seed(s), {config['epochs_completed']} of {config['epochs']} epochs{synthetic}")
+  fig.suptitle(
+    f"Transformer LM on {config['corpus_used']} ({data_info['tokens']['train']:,} train tokens, "
+    f"vocab {data_info['vocab_size']:,}), batch {config['batch_size']} x bptt {config['bptt']}, "
+    f"{config['seeds']} seed(s), {config['epochs_completed']} of {config['epochs']} epochs{synthetic}"
+  )
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -643,35 +705,60 @@ def plot(results: dict, config: dict, path: str, data_info: dict) -> None:
 
 def parse_args(argv):
   p = argparse.ArgumentParser(
-      description="The paper's transformer language model (Table 1): c-CoLA-ud vs SGD-m on a 2-layer, "
-                  "2-head, 200-unit transformer; minimum validation loss per method.",
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--corpus", choices=CORPORA, default="kjv",
-                 help="kjv: King James Bible from Debian's bible-kjv (offline default); ptb, wikitext2: "
-                      "files in --data-dir")
-  p.add_argument("--data-dir", default=None,
-                 help="directory with ptb.{train,valid,test}.txt, wiki.{train,valid,test}.tokens, or "
-                      "kjv.txt (the output of `bible -f`)")
+    description="The paper's transformer language model (Table 1): c-CoLA-ud vs SGD-m on a 2-layer, "
+    "2-head, 200-unit transformer; minimum validation loss per method.",
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  p.add_argument(
+    "--corpus",
+    choices=CORPORA,
+    default="kjv",
+    help="kjv: King James Bible from Debian's bible-kjv (offline default); ptb, wikitext2: files in --data-dir",
+  )
+  p.add_argument(
+    "--data-dir",
+    default=None,
+    help="directory with ptb.{train,valid,test}.txt, wiki.{train,valid,test}.tokens, or "
+    "kjv.txt (the output of `bible -f`)",
+  )
   p.add_argument("--seeds", type=int, default=1, help="number of seeds (0..seeds-1)")
-  p.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS,
-                 help="training epochs (the paper: 200; the default takes 10-17 min on 2 CPU cores)")
-  p.add_argument("--eval-every", type=float, default=None,
-                 help="epochs between evaluations, fractions allowed (default min(1, epochs / 8): at least "
-                      "8 evaluations, at most one per epoch); plus one at initialisation")
-  p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                 help="comma list of 'ccola_ud' and 'sgdm_h<lr>_m<momentum>'")
+  p.add_argument(
+    "--epochs",
+    type=int,
+    default=DEFAULT_EPOCHS,
+    help="training epochs (the paper: 200; the default takes 10-17 min on 2 CPU cores)",
+  )
+  p.add_argument(
+    "--eval-every",
+    type=float,
+    default=None,
+    help="epochs between evaluations, fractions allowed (default min(1, epochs / 8): at least "
+    "8 evaluations, at most one per epoch); plus one at initialisation",
+  )
+  p.add_argument(
+    "--methods", default=",".join(DEFAULT_METHODS), help="comma list of 'ccola_ud' and 'sgdm_h<lr>_m<momentum>'"
+  )
   p.add_argument("--grid", action="store_true", help="add the table's SGD-m grid (h 0.1, 0.2 x mom 0.7, 0.8, 0.9)")
-  p.add_argument("--batch-size", type=int, default=None,
-                 help="training columns (default: ptb 1024, wikitext2 128, as the paper; kjv 128)")
-  p.add_argument("--friction", type=float, default=None,
-                 help="c-CoLA-ud gamma (default: ptb 0.5, wikitext2 1, as the paper; kjv 1)")
+  p.add_argument(
+    "--batch-size",
+    type=int,
+    default=None,
+    help="training columns (default: ptb 1024, wikitext2 128, as the paper; kjv 128)",
+  )
+  p.add_argument(
+    "--friction", type=float, default=None, help="c-CoLA-ud gamma (default: ptb 0.5, wikitext2 1, as the paper; kjv 1)"
+  )
   p.add_argument("--bptt", type=int, default=35, help="window length")
   p.add_argument("--clip", type=float, default=0.25, help="global gradient-norm clip (0: none)")
-  p.add_argument("--out", default=None,
-                 help="output directory (default: results/; a --smoke run: a new temporary folder)")
-  p.add_argument("--smoke", action="store_true",
-                 help=f"tiny run for tests on a synthetic corpus: {SMOKE['seeds']} seeds, {SMOKE['epochs']} "
-                      f"epochs, batch {SMOKE['batch_size']}")
+  p.add_argument(
+    "--out", default=None, help="output directory (default: results/; a --smoke run: a new temporary folder)"
+  )
+  p.add_argument(
+    "--smoke",
+    action="store_true",
+    help=f"tiny run for tests on a synthetic corpus: {SMOKE['seeds']} seeds, {SMOKE['epochs']} "
+    f"epochs, batch {SMOKE['batch_size']}",
+  )
   p.add_argument("--quiet", action="store_true", help="no progress bar")
   p.add_argument("--replot", metavar="JSON", help="only redraw the PNG (next to JSON) from a transformer_lm.json")
   args = p.parse_args(argv)
@@ -695,10 +782,17 @@ def parse_args(argv):
   elif not args.eval_every > 0:
     p.error("--eval-every must be positive")
   settings = CORPUS_SETTINGS[args.corpus]
-  config = Config(corpus=args.corpus, seeds=args.seeds, epochs=args.epochs, methods=tuple(dict.fromkeys(methods)),
-                  batch_size=args.batch_size or settings["batch_size"], bptt=args.bptt,
-                  eval_every=args.eval_every, clip=args.clip,
-                  friction=settings["friction"] if args.friction is None else args.friction)
+  config = Config(
+    corpus=args.corpus,
+    seeds=args.seeds,
+    epochs=args.epochs,
+    methods=tuple(dict.fromkeys(methods)),
+    batch_size=args.batch_size or settings["batch_size"],
+    bptt=args.bptt,
+    eval_every=args.eval_every,
+    clip=args.clip,
+    friction=settings["friction"] if args.friction is None else args.friction,
+  )
   return args, config
 
 
@@ -716,30 +810,36 @@ def _entry(hist: list, timing: dict, method: str, config: Config, steps_per_epoc
   seeds = np.arange(valid.shape[1])
   spec = parse_method(method)
   if spec["kind"] == "ccola_ud":
-    spec = {**spec, "friction": config.friction,
-            "sgd_momentum_equivalent": dict(zip(("learning_rate", "momentum"),
-                                                cola.langevin_to_sgd_momentum(CCOLA_H, config.friction)))}
+    spec = {
+      **spec,
+      "friction": config.friction,
+      "sgd_momentum_equivalent": dict(
+        zip(("learning_rate", "momentum"), cola.langevin_to_sgd_momentum(CCOLA_H, config.friction))
+      ),
+    }
   trained_s = timing["run_s"] - timing["init_eval_s"]
   return {
-      "min_valid_loss": finite_list(valid[best, seeds]),
-      "min_valid_loss_epoch": [round(float(e), 4) for e in epochs[best]],
-      "final_valid_loss": finite_list(valid[-1]),
-      "test_loss_at_min_valid": finite_list(test[best, seeds]),
-      "final_test_loss": finite_list(test[-1]),
-      "final_train_loss": finite_list(stack["train_loss"][-1]),
-      "valid_loss_at_init": finite_list(valid[0]),
-      "max_abs_weight": {k[len("max_abs_w_"):]: finite_list(stack[k][-1]) for k in stack
-                         if k.startswith("max_abs_w_")},
-      "history": {"step": list(timing["steps"]), "epoch": [round(float(e), 4) for e in epochs],
-                  **{k: finite_list(stack[k]) for k in ("valid_loss", "test_loss", "train_loss")}},
-      "compile_time_s": timing["compile_s"],
-      "run_time_s": timing["run_s"],
-      "time_per_epoch_s": trained_s * steps_per_epoch / max(1, timing["steps"][-1]),
-      "hyperparameters": spec,
+    "min_valid_loss": finite_list(valid[best, seeds]),
+    "min_valid_loss_epoch": [round(float(e), 4) for e in epochs[best]],
+    "final_valid_loss": finite_list(valid[-1]),
+    "test_loss_at_min_valid": finite_list(test[best, seeds]),
+    "final_test_loss": finite_list(test[-1]),
+    "final_train_loss": finite_list(stack["train_loss"][-1]),
+    "valid_loss_at_init": finite_list(valid[0]),
+    "max_abs_weight": {k[len("max_abs_w_") :]: finite_list(stack[k][-1]) for k in stack if k.startswith("max_abs_w_")},
+    "history": {
+      "step": list(timing["steps"]),
+      "epoch": [round(float(e), 4) for e in epochs],
+      **{k: finite_list(stack[k]) for k in ("valid_loss", "test_loss", "train_loss")},
+    },
+    "compile_time_s": timing["compile_s"],
+    "run_time_s": timing["run_s"],
+    "time_per_epoch_s": trained_s * steps_per_epoch / max(1, timing["steps"][-1]),
+    "hyperparameters": spec,
   }
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict:
+def main(argv: Sequence[str] | None = None) -> dict:
   """Runs the experiment, writes ``transformer_lm.json`` and ``transformer_lm.png`` under ``--out``.
 
   Returns the dict written to ``transformer_lm.json``.
@@ -762,14 +862,17 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   except FileNotFoundError as error:
     sys.exit(f"error: {error}")
   corpus_name = "synthetic" if data_info["synthetic"] else config.corpus
-  data = (windows(train_ids, config.batch_size, config.bptt),
-          windows(valid_ids, config.eval_batch_size, config.bptt),
-          windows(test_ids, config.eval_batch_size, config.bptt))
+  data = (
+    windows(train_ids, config.batch_size, config.bptt),
+    windows(valid_ids, config.eval_batch_size, config.bptt),
+    windows(test_ids, config.eval_batch_size, config.bptt),
+  )
   steps_per_epoch = int(data[0][0].shape[0])
   eval_steps = max(1, round(config.eval_every * steps_per_epoch))
   schedule = eval_schedule(config.epochs * steps_per_epoch, eval_steps)
 
   from tqdm.auto import tqdm
+
   seeds = jnp.arange(config.seeds)
   runners, carries, hists, timing = {}, {}, {}, {}
   for m in config.methods:
@@ -777,43 +880,55 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     t0 = time.perf_counter()
     carries[m] = init(seeds)
     runners[m] = run_chunk.lower(carries[m], data, jnp.int32(0)).compile(
-        compiler_options=SMOKE_COMPILER_OPTIONS if args.smoke else None)
+      compiler_options=SMOKE_COMPILER_OPTIONS if args.smoke else None
+    )
     timing[m] = {"compile_s": time.perf_counter() - t0, "run_s": 0.0, "init_eval_s": 0.0, "steps": []}
     hists[m] = []
 
   json_path = os.path.join(args.out, "transformer_lm.json")
   png_path = os.path.join(args.out, "transformer_lm.png")
-  config_dict = {**config._asdict(), "methods": list(config.methods), "corpus_used": corpus_name,
-                 "steps_per_epoch": steps_per_epoch, "eval_every_steps": eval_steps,
-                 "tokens_per_step": config.batch_size * config.bptt,
-                 "radii": {"r (embedding, decoder)": RADII["other"], "r_L (feed-forward linear1, linear2)":
-                           RADII["linear"], "r_N (LayerNorm gains)": RADII["norm"],
-                           "r_A (self-attention in_proj, out_proj)": RADII["attention"], "biases": None},
-                 "init": "PyTorch word_language_model TransformerModel: embedding, decoder U(-0.1, 0.1), "
-                         "decoder bias 0; MultiheadAttention in_proj Xavier-uniform, out_proj U(+-1/sqrt(d)), "
-                         "attention biases 0; linear1/2 nn.Linear default; LayerNorm 1, 0; both layers identical",
-                 "log_vocab_size": math.log(len(vocab)),
-                 "pairing": "seed s fixes init and dropout masks, the same for every method; data order fixed"}
+  config_dict = {
+    **config._asdict(),
+    "methods": list(config.methods),
+    "corpus_used": corpus_name,
+    "steps_per_epoch": steps_per_epoch,
+    "eval_every_steps": eval_steps,
+    "tokens_per_step": config.batch_size * config.bptt,
+    "radii": {
+      "r (embedding, decoder)": RADII["other"],
+      "r_L (feed-forward linear1, linear2)": RADII["linear"],
+      "r_N (LayerNorm gains)": RADII["norm"],
+      "r_A (self-attention in_proj, out_proj)": RADII["attention"],
+      "biases": None,
+    },
+    "init": "PyTorch word_language_model TransformerModel: embedding, decoder U(-0.1, 0.1), "
+    "decoder bias 0; MultiheadAttention in_proj Xavier-uniform, out_proj U(+-1/sqrt(d)), "
+    "attention biases 0; linear1/2 nn.Linear default; LayerNorm 1, 0; both layers identical",
+    "log_vocab_size": math.log(len(vocab)),
+    "pairing": "seed s fixes init and dropout masks, the same for every method; data order fixed",
+  }
 
   def write(status: str) -> dict:
     results = {m: _entry(hists[m], timing[m], m, config, steps_per_epoch) for m in config.methods}
     done = [m for m in config.methods if results[m]]
     steps_done = min((timing[m]["steps"][-1] if timing[m]["steps"] else 0) for m in config.methods)
     out = {
-        "schema_version": SCHEMA_VERSION,
-        "experiment": "Transformer language model (Leimkuhler et al., Constraint-Based Regularization of "
-                      "Neural Networks, Table 'NLPexp' and appendix 'NLP')",
-        "status": status,
-        "config": {**config_dict, "epochs_completed": round(steps_done / steps_per_epoch, 4)},
-        "data": data_info,
-        "methods": {m: describe(m, config.friction) for m in config.methods},
-        "seeds": list(range(config.seeds)),
-        "results": results,
-        "summary": {m: summarize(results[m]) for m in done},
-        "published": {"min_valid_loss": PUBLISHED,
-                      "note": "minimum validation loss in 200 epochs, Penn Treebank (batch 1024, gamma 0.5) "
-                              "and Wikitext-2 (batch 128, gamma 1); none for kjv"},
-        **provenance(argv, start),
+      "schema_version": SCHEMA_VERSION,
+      "experiment": "Transformer language model (Leimkuhler et al., Constraint-Based Regularization of "
+      "Neural Networks, Table 'NLPexp' and appendix 'NLP')",
+      "status": status,
+      "config": {**config_dict, "epochs_completed": round(steps_done / steps_per_epoch, 4)},
+      "data": data_info,
+      "methods": {m: describe(m, config.friction) for m in config.methods},
+      "seeds": list(range(config.seeds)),
+      "results": results,
+      "summary": {m: summarize(results[m]) for m in done},
+      "published": {
+        "min_valid_loss": PUBLISHED,
+        "note": "minimum validation loss in 200 epochs, Penn Treebank (batch 1024, gamma 0.5) "
+        "and Wikitext-2 (batch 128, gamma 1); none for kjv",
+      },
+      **provenance(argv, start),
     }
     write_json(json_path, out)
     if status == "complete":  # a partial run: --replot draws its figure
@@ -821,8 +936,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     return out
 
   bar = tqdm(total=len(config.methods) * sum(schedule), unit="step", disable=args.quiet, dynamic_ncols=True)
-  bar.write(f"{corpus_name}: {data_info['tokens']} tokens, vocab {len(vocab)}; {steps_per_epoch} steps/epoch, "
-            f"evaluation every {eval_steps} steps")
+  bar.write(
+    f"{corpus_name}: {data_info['tokens']} tokens, vocab {len(vocab)}; {steps_per_epoch} steps/epoch, "
+    f"evaluation every {eval_steps} steps"
+  )
   for chunk, n_steps in enumerate(schedule):
     for m in config.methods:
       steps = (timing[m]["steps"][-1] if timing[m]["steps"] else 0) + n_steps
@@ -841,11 +958,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
       eval_s = {m: timing[m]["init_eval_s"] for m in config.methods}
       step_s = {m: (timing[m]["run_s"] - 2 * eval_s[m]) / n_steps for m in config.methods}
       for m in config.methods:
-        bar.write(f"{m}: compile {timing[m]['compile_s']:.1f} s, evaluation {eval_s[m]:.1f} s, "
-                  f"{step_s[m]:.2f} s/step for {config.seeds} seed(s)")
+        bar.write(
+          f"{m}: compile {timing[m]['compile_s']:.1f} s, evaluation {eval_s[m]:.1f} s, "
+          f"{step_s[m]:.2f} s/step for {config.seeds} seed(s)"
+        )
       total = sum(step_s[m] * sum(schedule) + eval_s[m] * len(schedule) for m in config.methods)
-      bar.write(f"projection: {config.epochs} epochs of all methods in about {total / 60:.1f} min "
-                f"(this machine, now)")
+      bar.write(f"projection: {config.epochs} epochs of all methods in about {total / 60:.1f} min (this machine, now)")
     losses = "  ".join(f"{m}: {float(np.mean(hists[m][-1]['valid_loss'])):.3f}" for m in config.methods)
     bar.write(f"epoch {timing[config.methods[0]]['steps'][-1] / steps_per_epoch:6.2f}  valid loss  {losses}")
     write("running")

@@ -55,15 +55,17 @@ class Constrained(variablelib.VariableMetadata, meta.AxisMetadata):
 
   def add_axis(self, index, params):
     raise ValueError(
-        f"A parameter declared with cola.with_constraint(..., {self.constraint!r}) "
-        "cannot gain an axis in a lifted transform (nn.scan, nn.vmap): the axis would "
-        "change what the constraint means. Give the stacked parameter's constraint "
-        "with cola.path_constraints or an explicit constraint pytree instead.")
+      f"A parameter declared with cola.with_constraint(..., {self.constraint!r}) "
+      "cannot gain an axis in a lifted transform (nn.scan, nn.vmap): the axis would "
+      "change what the constraint means. Give the stacked parameter's constraint "
+      "with cola.path_constraints or an explicit constraint pytree instead."
+    )
 
   def remove_axis(self, index, params):
     raise ValueError(
-        f"A parameter declared with cola.with_constraint(..., {self.constraint!r}) "
-        "cannot lose an axis in a lifted transform (nn.scan, nn.vmap).")
+      f"A parameter declared with cola.with_constraint(..., {self.constraint!r}) "
+      "cannot lose an axis in a lifted transform (nn.scan, nn.vmap)."
+    )
 
 
 def _unflatten(constraint, children):
@@ -72,10 +74,10 @@ def _unflatten(constraint, children):
 
 
 jax.tree_util.register_pytree_with_keys(
-    Constrained,
-    lambda box: (((jax.tree_util.GetAttrKey("raw_value"), box.raw_value),), box.constraint),
-    _unflatten,
-    lambda box: ((box.raw_value,), box.constraint),
+  Constrained,
+  lambda box: (((jax.tree_util.GetAttrKey("raw_value"), box.raw_value),), box.constraint),
+  _unflatten,
+  lambda box: ((box.raw_value,), box.constraint),
 )
 
 AxisMetadata = meta.AxisMetadata

@@ -6,14 +6,14 @@ checked then; the transforms read a schedule's rounding below zero as zero.
 """
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import jax.numpy as jnp
 
 from cola_jax._numerics import concrete_float
 
 
-def _known(owner: str, name: str, value: Any) -> Optional[float]:
+def _known(owner: str, name: str, value: Any) -> float | None:
   """The value as a float when known now (None for schedules and traced values)."""
   if callable(value):
     return None
@@ -23,8 +23,7 @@ def _known(owner: str, name: str, value: Any) -> Optional[float]:
     dtype = jnp.result_type(value)
   except TypeError:
     dtype = None
-  if dtype is None or not jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(
-      dtype, jnp.complexfloating):
+  if dtype is None or not jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.complexfloating):
     raise TypeError(f"{owner}: {name} must be a real number, got {value!r}.")
   if jnp.ndim(value) != 0:
     raise ValueError(f"{owner}: {name} must be a scalar, got shape {jnp.shape(value)}.")

@@ -1,6 +1,6 @@
 """Elementwise numerics shared by the constraints."""
 
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +13,8 @@ _PIO2_HI = np.float32(1.5703125)
 _PIO2_MID = np.float32(4.837512969970703125e-4)
 _PIO2_LO = np.float32(7.54978995489188216e-8)
 FAST_SINCOS_LIMIT = np.float32(2.0**13)
+# Just above pi/4: Cody-Waite leaves |y| <= pi/4 (to rounding) below FAST_SINCOS_LIMIT.
+_QUARTER_TURN = np.float32(0.7854)
 
 
 def _two_over_pi(bits: int) -> int:
@@ -79,8 +81,7 @@ def _reduce_large(x):
   c0, c1, c2, c3, c4 = (jnp.asarray(_QUARTER_TURNS[:, j])[row] for j in range(5))
   m_high = jnp.floor(m * np.float32(2.0**-12)) * np.float32(2.0**12)
   m_low = m - m_high  # m_high * c0 is a multiple of 4: left out
-  turns = _mod4(_mod4(_mod4(m_low * c0) + _mod4(m_high * c1))
-                + _mod4(_mod4(m_low * c1) + _mod4(m_high * c2)))
+  turns = _mod4(_mod4(_mod4(m_low * c0) + _mod4(m_high * c1)) + _mod4(_mod4(m_low * c1) + _mod4(m_high * c2)))
   small = (m_low * c2 + m_high * c3) + (m_low * c3 + m * c4)
   k = jnp.round(turns + small)
   y = ((turns - k) + small) * np.float32(np.pi / 2)
@@ -93,12 +94,11 @@ def _sincos_reduced(y, k):
   """``sin`` and ``cos`` of ``k pi/2 + y`` for ``|y| <= pi/4`` (minimax polynomials)."""
   y2 = y * y
   sin_y = y + y * y2 * (
-      np.float32(-1.6666654611e-1)
-      + y2 * (np.float32(8.3321608736e-3) + y2 * np.float32(-1.9515295891e-4)))
+    np.float32(-1.6666654611e-1) + y2 * (np.float32(8.3321608736e-3) + y2 * np.float32(-1.9515295891e-4))
+  )
   cos_y = (1 - 0.5 * y2) + y2 * y2 * (
-      np.float32(4.166664568298827e-2)
-      + y2 * (np.float32(-1.388731625493765e-3)
-              + y2 * np.float32(2.443315711809948e-5)))
+    np.float32(4.166664568298827e-2) + y2 * (np.float32(-1.388731625493765e-3) + y2 * np.float32(2.443315711809948e-5))
+  )
   quadrant = k.astype(jnp.int32) & 3
   odd = (quadrant & 1) == 1
   sin_x = jnp.where(odd, cos_y, sin_y)
@@ -122,12 +122,16 @@ def sincos_fast(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   ``|y| <= pi/4`` (Cody-Waite, exact for ``|x| < 2**13``) and evaluates
   minimax polynomials for sin and cos on the reduced argument, so XLA
   vectorises and fuses it like any product or sum. Absolute error <= 1.2e-7
-  for float32 ``|x| < 2**13``; larger arguments give wrong values (use
-  :func:`sincos`). Other float dtypes use ``jnp.sin`` and ``jnp.cos``.
+  for float32 ``|x| < 2**13``. Larger arguments get a wrong angle (use
+  :func:`sincos` for the exact one) but still a rotation: the reduced argument
+  is clamped to ``[-pi/4, pi/4]``, so ``sin^2 + cos^2 = 1`` to rounding for
+  every finite ``x``; ``inf`` and NaN give NaN. Other float dtypes use
+  ``jnp.sin`` and ``jnp.cos``.
   """
   if x.dtype != jnp.float32:
     return jnp.sin(x), jnp.cos(x)
-  return _sincos_reduced(*_cody_waite(x))
+  y, k = _cody_waite(x)
+  return _sincos_reduced(jnp.clip(y, -_QUARTER_TURN, _QUARTER_TURN), k)
 
 
 def sincos(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -163,8 +167,10 @@ def with_sincos(fn, x: jax.Array, *operands):
     return fn(sincos, x, *operands)
   needed = ~(jnp.max(jnp.abs(x), initial=0.0) < FAST_SINCOS_LIMIT)
   result, _ = jax.lax.while_loop(
-      lambda carry: carry[1], lambda carry: (fn(sincos, x, *operands), jnp.array(False)),
-      (fn(sincos_fast, x, *operands), needed))
+    lambda carry: carry[1],
+    lambda carry: (fn(sincos, x, *operands), jnp.array(False)),
+    (fn(sincos_fast, x, *operands), needed),
+  )
   return result
 
 
@@ -184,8 +190,7 @@ def power_of_two_scale(m: jax.Array) -> jax.Array:
   int_dtype = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[jnp.dtype(m.dtype).itemsize]
   top = 2 * info.maxexp - 2  # biased exponent of the largest finite numbers
   exponent = jax.lax.bitcast_convert_type(m, int_dtype) >> mantissa
-  scale = jax.lax.bitcast_convert_type(
-      ((top - jnp.clip(exponent, 1, top - 1)) << mantissa).astype(int_dtype), m.dtype)
+  scale = jax.lax.bitcast_convert_type(((top - jnp.clip(exponent, 1, top - 1)) << mantissa).astype(int_dtype), m.dtype)
   return jnp.where(exponent > top, jnp.asarray(np.nan, m.dtype), scale)
 
 
@@ -229,8 +234,7 @@ def computed_together(*arrays: jax.Array) -> tuple[jax.Array, ...]:
     return arrays
   padded = tuple(jnp.stack([x, jnp.zeros_like(x)], axis=-1) for x in arrays)
   zeros = tuple(np.zeros((), x.dtype) for x in arrays)
-  return tuple(jax.lax.reduce(
-      padded, zeros, lambda a, b: tuple(u + v for u, v in zip(a, b)), (arrays[0].ndim,)))
+  return tuple(jax.lax.reduce(padded, zeros, lambda a, b: tuple(u + v for u, v in zip(a, b)), (arrays[0].ndim,)))
 
 
 @computed_together.defjvp
@@ -238,7 +242,7 @@ def _computed_together_jvp(primals, tangents):
   return computed_together(*primals), tuple(tangents)
 
 
-def concrete_float(value: Any) -> Optional[float]:
+def concrete_float(value: Any) -> float | None:
   """The value as a Python float when it is known now, else None.
 
   Hyperparameters may arrive as traced arrays (under ``jit`` or

@@ -5,7 +5,8 @@ Every check here runs where shapes and dtypes are static (at ``init``, or when
 ``grads['layer0']['w']``, and nothing is added to the compiled step.
 """
 
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 from cola_jax.constraints.base import Constraint, Euclidean
 
 ConstraintTree = Any  # a prefix of params with Constraint or None leaves
-ConstraintSpec = Union[None, Constraint, ConstraintTree, Callable[[Any], ConstraintTree]]
+ConstraintSpec = Constraint | ConstraintTree | Callable[[Any], ConstraintTree] | None
 
 _EUCLIDEAN = Euclidean()
 
@@ -28,14 +29,14 @@ class LeafLayout:
   def __init__(self, owner: str, spec: ConstraintSpec, params):
     if params is None:
       raise ValueError(
-          f"{owner}: update() needs the current parameters: call "
-          "tx.update(grads, state, params). The constrained step is computed "
-          "from the parameters, not from the gradients alone.")
+        f"{owner}: update() needs the current parameters: call "
+        "tx.update(grads, state, params). The constrained step is computed "
+        "from the parameters, not from the gradients alone."
+      )
     self.owner = owner
     paths_and_leaves, self.treedef = jax.tree_util.tree_flatten_with_path(params)
     self.paths = [jax.tree_util.keystr(path) for path, _ in paths_and_leaves]
-    self.params = [
-        self._array(leaf, "params", path) for path, (_, leaf) in zip(self.paths, paths_and_leaves)]
+    self.params = [self._array(leaf, "params", path) for path, (_, leaf) in zip(self.paths, paths_and_leaves)]
     self.constraints = self._assign(spec, params)
     # The geometry runs in at least float32 (float64 stays float64); updates
     # are returned in each parameter's own dtype.
@@ -49,20 +50,22 @@ class LeafLayout:
       assigned = self.treedef.flatten_up_to(full)
     except ValueError as error:
       raise ValueError(
-          f"{self.owner}: constraints must be a Constraint, None, or a pytree "
-          f"prefix of the parameters with Constraint or None leaves.\n{error}") from None
+        f"{self.owner}: constraints must be a Constraint, None, or a pytree "
+        f"prefix of the parameters with Constraint or None leaves.\n{error}"
+      ) from None
     constraints = []
     for path, param, constraint in zip(self.paths, self.params, assigned):
       if constraint is None:
         constraint = _EUCLIDEAN
       if not isinstance(constraint, Constraint):
         raise TypeError(
-            f"{self.owner}: the constraint for the leaf at {path} is "
-            f"{constraint!r}; expected a cola_jax Constraint or None.")
+          f"{self.owner}: the constraint for the leaf at {path} is "
+          f"{constraint!r}; expected a cola_jax Constraint or None."
+        )
       if not jnp.issubdtype(param.dtype, jnp.floating):
         raise TypeError(
-            f"{self.owner}: the leaf at {path} has dtype {param.dtype}; "
-            f"parameters must be floating point (params{path}).")
+          f"{self.owner}: the leaf at {path} has dtype {param.dtype}; parameters must be floating point (params{path})."
+        )
       constraint.validate(param, path)
       # A leaf without entries has nothing to move or constrain: it passes
       # as under optax.sgd (and reports no residual).
@@ -75,8 +78,9 @@ class LeafLayout:
       return self.treedef.flatten_up_to(tree)
     except (ValueError, TypeError) as error:
       raise ValueError(
-          f"{self.owner}: {what} does not have the structure of the parameters "
-          f"(was the optimizer state initialised with other parameters?).\n{error}") from None
+        f"{self.owner}: {what} does not have the structure of the parameters "
+        f"(was the optimizer state initialised with other parameters?).\n{error}"
+      ) from None
 
   def unflatten(self, leaves: list):
     return self.treedef.unflatten(leaves)
@@ -85,14 +89,14 @@ class LeafLayout:
     """The leaf as an array (Python and NumPy scalars become arrays, as in optax)."""
     if leaf is None:
       raise TypeError(
-          f"{self.owner}: {what}{path} is None, but params{path} is an array. Pass a "
-          "zero gradient (jnp.zeros_like) for a parameter without one, or route the "
-          "parameter to another transformation with optax.masked or optax.partition.")
+        f"{self.owner}: {what}{path} is None, but params{path} is an array. Pass a "
+        "zero gradient (jnp.zeros_like) for a parameter without one, or route the "
+        "parameter to another transformation with optax.masked or optax.partition."
+      )
     try:
       return jnp.asarray(leaf)
     except TypeError:
-      raise TypeError(
-          f"{self.owner}: {what}{path} is {leaf!r}; expected an array or a number.") from None
+      raise TypeError(f"{self.owner}: {what}{path} is {leaf!r}; expected an array or a number.") from None
 
   def gradients(self, grads) -> list:
     """The gradient leaves, checked and in the compute dtype of their parameters."""
@@ -100,39 +104,40 @@ class LeafLayout:
     for path, g, p in zip(self.paths, self.flatten(grads, "grads"), self.compute):
       g = self._array(g, "grads", path)
       if not jnp.issubdtype(g.dtype, jnp.floating):
-        raise TypeError(
-            f"{self.owner}: grads{path} has dtype {g.dtype}; gradients must be floating point.")
+        raise TypeError(f"{self.owner}: grads{path} has dtype {g.dtype}; gradients must be floating point.")
       if g.shape != p.shape:
         raise ValueError(
-            f"{self.owner}: grads{path} has shape {g.shape}, but params{path} has shape "
-            f"{p.shape}; gradients must have the shapes of the parameters (no broadcasting).")
+          f"{self.owner}: grads{path} has shape {g.shape}, but params{path} has shape "
+          f"{p.shape}; gradients must have the shapes of the parameters (no broadcasting)."
+        )
       leaves.append(g.astype(p.dtype))
     return leaves
 
   def updates(self, new_params: list):
     """``new - old`` for every leaf, in the parameter's own dtype."""
-    return self.unflatten([
-        (new - old).astype(param.dtype)
-        for new, old, param in zip(new_params, self.compute, self.params)])
+    return self.unflatten(
+      [(new - old).astype(param.dtype) for new, old, param in zip(new_params, self.compute, self.params)]
+    )
 
-  def check_state(self, auxes: list, momenta: Optional[list] = None) -> None:
+  def check_state(self, auxes: list, momenta: list | None = None) -> None:
     """Raises if the optimizer state does not fit the parameters and their constraints."""
-    for i, (path, p, constraint, aux) in enumerate(
-        zip(self.paths, self.compute, self.constraints, auxes)):
+    for i, (path, p, constraint, aux) in enumerate(zip(self.paths, self.compute, self.constraints, auxes)):
       leaf = jax.ShapeDtypeStruct(p.shape, p.dtype)
       expected = jax.eval_shape(constraint.init, leaf)
       if jax.tree.structure(aux) != jax.tree.structure(expected):
         raise ValueError(
-            f"{self.owner}: the optimizer state for the leaf at {path} does not "
-            f"match its constraint {constraint!r} (state {type(aux).__name__}). "
-            "Re-initialise the optimizer when constraints or parameters change.")
+          f"{self.owner}: the optimizer state for the leaf at {path} does not "
+          f"match its constraint {constraint!r} (state {type(aux).__name__}). "
+          "Re-initialise the optimizer when constraints or parameters change."
+        )
       stored = list(zip(jax.tree.leaves(aux), jax.tree.leaves(expected)))
       if momenta is not None:
         stored.append((momenta[i], jax.eval_shape(constraint.zero_momentum, leaf)))
       for got, want in stored:
         if jnp.shape(got) != want.shape:
           raise ValueError(
-              f"{self.owner}: the optimizer state for params{path} holds an array of "
-              f"shape {jnp.shape(got)} where a parameter of shape {p.shape} needs "
-              f"{want.shape}: the state was initialised for parameters of other shapes. "
-              "Re-initialise the optimizer when parameters change.")
+            f"{self.owner}: the optimizer state for params{path} holds an array of "
+            f"shape {jnp.shape(got)} where a parameter of shape {p.shape} needs "
+            f"{want.shape}: the state was initialised for parameters of other shapes. "
+            "Re-initialise the optimizer when parameters change."
+          )

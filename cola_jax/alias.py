@@ -8,7 +8,8 @@ constrained and biases are free; ``mask`` chooses otherwise, as in
 """
 
 import math
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +20,8 @@ from cola_jax.constraints.circle import Circle
 from cola_jax.constraints.orthogonal import Orthogonal
 from cola_jax.transforms import cola_od, cola_ud
 
-MaskOrFn = Union[None, Any, Callable[[Any], Any]]
-RadiusSpec = Union[float, Any, Callable[[Any], Any]]
+MaskOrFn = Any | Callable[[Any], Any] | None
+RadiusSpec = float | Any | Callable[[Any], Any]
 
 
 def _default_mask(params):
@@ -53,8 +54,7 @@ def _constraints_per_leaf(owner: str, mask: MaskOrFn, make: Callable[[Any, str],
         return None
       return make(leaf_spec, jax.tree_util.keystr(path))
 
-    return jax.tree_util.tree_map_with_path(
-        assign, masks, specs, params, is_leaf=lambda x: x is None)
+    return jax.tree_util.tree_map_with_path(assign, masks, specs, params, is_leaf=lambda x: x is None)
 
   return constraints
 
@@ -80,26 +80,30 @@ def circle_constraints(radius: RadiusSpec, *, mask: MaskOrFn = None, owner: str 
   return _constraints_per_leaf(owner, mask, make, spec=radius)
 
 
-def orthogonal_constraints(*, mask: MaskOrFn = None, tolerance: float = 1e-6,
-                           max_iterations: int = 20, projection: str = "quasi_newton",
-                           owner: str = "orthogonal_constraints"):
+def orthogonal_constraints(
+  *,
+  mask: MaskOrFn = None,
+  tolerance: float = 1e-6,
+  max_iterations: int = 20,
+  projection: str = "quasi_newton",
+  owner: str = "orthogonal_constraints",
+):
   """The constraints of :func:`o_cola_od` and :func:`o_cola_ud`, as a callable.
 
   Returns a function ``params -> pytree`` with an :class:`~cola_jax.Orthogonal`
   on each masked-in leaf (default: ``ndim >= 2``).
   """
-  orthogonal = Orthogonal(
-      tolerance=tolerance, max_iterations=max_iterations, projection=projection)
+  orthogonal = Orthogonal(tolerance=tolerance, max_iterations=max_iterations, projection=projection)
   return _constraints_per_leaf(owner, mask, lambda *_: orthogonal)
 
 
 def c_cola_od(
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    radius: RadiusSpec,
-    mask: MaskOrFn = None,
-    temperature: optax.ScalarOrSchedule = 0.0,
-    key: Optional[jax.Array] = None,
+  learning_rate: optax.ScalarOrSchedule,
+  *,
+  radius: RadiusSpec,
+  mask: MaskOrFn = None,
+  temperature: optax.ScalarOrSchedule = 0.0,
+  key: jax.Array | None = None,
 ) -> optax.GradientTransformation:
   """c-CoLA-od: overdamped Langevin with ``|theta| <= radius`` per weight.
 
@@ -120,19 +124,23 @@ def c_cola_od(
     >>> import cola_jax as cola
     >>> tx = cola.c_cola_od(0.1, radius={'hidden': 0.05, 'out': 0.1})  # doctest: +SKIP
   """
-  return cola_od(learning_rate, constraints=circle_constraints(radius, mask=mask, owner="c_cola_od"),
-                 temperature=temperature, key=key)
+  return cola_od(
+    learning_rate,
+    constraints=circle_constraints(radius, mask=mask, owner="c_cola_od"),
+    temperature=temperature,
+    key=key,
+  )
 
 
 def c_cola_ud(
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    friction: float,
-    radius: RadiusSpec,
-    mask: MaskOrFn = None,
-    temperature: optax.ScalarOrSchedule = 0.0,
-    key: Optional[jax.Array] = None,
-    splitting: str = "OBA",
+  learning_rate: optax.ScalarOrSchedule,
+  *,
+  friction: float,
+  radius: RadiusSpec,
+  mask: MaskOrFn = None,
+  temperature: optax.ScalarOrSchedule = 0.0,
+  key: jax.Array | None = None,
+  splitting: str = "OBA",
 ) -> optax.GradientTransformation:
   """c-CoLA-ud: underdamped Langevin (OBA) with ``|theta| <= radius`` per weight.
 
@@ -151,19 +159,25 @@ def c_cola_ud(
   Returns:
     :func:`cola_jax.cola_ud` with :class:`cola_jax.Circle` constraints.
   """
-  return cola_ud(learning_rate, friction=friction, constraints=circle_constraints(radius, mask=mask, owner="c_cola_ud"),
-                 temperature=temperature, key=key, splitting=splitting)
+  return cola_ud(
+    learning_rate,
+    friction=friction,
+    constraints=circle_constraints(radius, mask=mask, owner="c_cola_ud"),
+    temperature=temperature,
+    key=key,
+    splitting=splitting,
+  )
 
 
 def o_cola_od(
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    mask: MaskOrFn = None,
-    temperature: optax.ScalarOrSchedule = 0.0,
-    key: Optional[jax.Array] = None,
-    tolerance: float = 1e-6,
-    max_iterations: int = 20,
-    projection: str = "quasi_newton",
+  learning_rate: optax.ScalarOrSchedule,
+  *,
+  mask: MaskOrFn = None,
+  temperature: optax.ScalarOrSchedule = 0.0,
+  key: jax.Array | None = None,
+  tolerance: float = 1e-6,
+  max_iterations: int = 20,
+  projection: str = "quasi_newton",
 ) -> optax.GradientTransformation:
   """o-CoLA-od: overdamped Langevin with orthonormal weight matrices and kernels.
 
@@ -182,23 +196,22 @@ def o_cola_od(
     :func:`cola_jax.cola_od` with :class:`cola_jax.Orthogonal` constraints.
   """
   constraints = orthogonal_constraints(
-      mask=mask, tolerance=tolerance, max_iterations=max_iterations, projection=projection,
-      owner="o_cola_od")
-  return cola_od(learning_rate, constraints=constraints,
-                 temperature=temperature, key=key)
+    mask=mask, tolerance=tolerance, max_iterations=max_iterations, projection=projection, owner="o_cola_od"
+  )
+  return cola_od(learning_rate, constraints=constraints, temperature=temperature, key=key)
 
 
 def o_cola_ud(
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    friction: float,
-    mask: MaskOrFn = None,
-    temperature: optax.ScalarOrSchedule = 0.0,
-    key: Optional[jax.Array] = None,
-    tolerance: float = 1e-6,
-    max_iterations: int = 20,
-    splitting: str = "OBA",
-    projection: str = "quasi_newton",
+  learning_rate: optax.ScalarOrSchedule,
+  *,
+  friction: float,
+  mask: MaskOrFn = None,
+  temperature: optax.ScalarOrSchedule = 0.0,
+  key: jax.Array | None = None,
+  tolerance: float = 1e-6,
+  max_iterations: int = 20,
+  splitting: str = "OBA",
+  projection: str = "quasi_newton",
 ) -> optax.GradientTransformation:
   """o-CoLA-ud: underdamped Langevin (OBA, RATTLE A step) with orthonormal weights.
 
@@ -217,11 +230,11 @@ def o_cola_ud(
     :func:`cola_jax.cola_ud` with :class:`cola_jax.Orthogonal` constraints.
   """
   constraints = orthogonal_constraints(
-      mask=mask, tolerance=tolerance, max_iterations=max_iterations, projection=projection,
-      owner="o_cola_ud")
-  return cola_ud(learning_rate, friction=friction,
-                 constraints=constraints,
-                 temperature=temperature, key=key, splitting=splitting)
+    mask=mask, tolerance=tolerance, max_iterations=max_iterations, projection=projection, owner="o_cola_ud"
+  )
+  return cola_ud(
+    learning_rate, friction=friction, constraints=constraints, temperature=temperature, key=key, splitting=splitting
+  )
 
 
 def sgd_momentum_to_langevin(learning_rate: float, momentum: float) -> tuple[float, float]:
@@ -248,8 +261,8 @@ def sgd_momentum_to_langevin(learning_rate: float, momentum: float) -> tuple[flo
   check_positive("sgd_momentum_to_langevin", "momentum", momentum)
   if not 0 < momentum <= 1:
     raise ValueError(
-        f"momentum must be in (0, 1], got {momentum!r} (momentum 0 is infinite "
-        "friction; use cola_od for plain SGD).")
+      f"momentum must be in (0, 1], got {momentum!r} (momentum 0 is infinite friction; use cola_od for plain SGD)."
+    )
   h = math.sqrt(learning_rate)
   return h, -math.log(momentum) / h
 

@@ -10,7 +10,8 @@ imported only when one of them meets a Flax object.
 import dataclasses
 import functools
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +24,8 @@ def _flax_metadata(owner: str):
     from cola_jax import _flax_metadata
   except ImportError as error:
     raise ImportError(
-        f"{owner} declares constraints in Flax metadata and needs Flax: "
-        "pip install 'cola-jax[flax]'.") from error
+      f"{owner} declares constraints in Flax metadata and needs Flax: pip install 'cola-jax[flax]'."
+    ) from error
   return _flax_metadata
 
 
@@ -33,6 +34,7 @@ def is_box(x) -> bool:
   if "flax" not in sys.modules:  # no Flax objects exist unless Flax is imported
     return False
   from cola_jax import _flax_metadata
+
   return isinstance(x, (_flax_metadata.AxisMetadata, _flax_metadata.Variable))
 
 
@@ -41,8 +43,9 @@ def _on_manifold(value, constraint: Constraint):
   value = jnp.asarray(value)
   if not jnp.issubdtype(value.dtype, jnp.floating):
     raise TypeError(
-        f"with_constraint(..., {constraint!r}): the initializer returned dtype "
-        f"{value.dtype}; constrained parameters must be floating point.")
+      f"with_constraint(..., {constraint!r}): the initializer returned dtype "
+      f"{value.dtype}; constrained parameters must be floating point."
+    )
   constraint.validate(value, "<with_constraint initializer>")
   compute = value.astype(jnp.promote_types(value.dtype, jnp.float32))
   return constraint.nearest(compute).astype(value.dtype)
@@ -51,16 +54,18 @@ def _on_manifold(value, constraint: Constraint):
 def _declare(value, constraint: Constraint, flax_metadata):
   """``value`` (an initializer's output) on the manifold, carrying ``constraint``."""
   if isinstance(value, flax_metadata.Constrained) or (
-      isinstance(value, flax_metadata.VariableMetadata)
-      and flax_metadata.METADATA_KEY in value.metadata):
+    isinstance(value, flax_metadata.VariableMetadata) and flax_metadata.METADATA_KEY in value.metadata
+  ):
     raise ValueError(
-        f"with_constraint(..., {constraint!r}): the initializer already declares the "
-        f"constraint {value.metadata[flax_metadata.METADATA_KEY]!r}; a parameter "
-        "carries one constraint.")
+      f"with_constraint(..., {constraint!r}): the initializer already declares the "
+      f"constraint {value.metadata[flax_metadata.METADATA_KEY]!r}; a parameter "
+      "carries one constraint."
+    )
   if isinstance(value, flax_metadata.VariableMetadata):  # nnx, e.g. nnx.with_partitioning
     declared = {flax_metadata.METADATA_KEY: constraint, flax_metadata.SHAPE_KEY: tuple(jnp.shape(value.raw_value))}
     return dataclasses.replace(
-        value, raw_value=_on_manifold(value.raw_value, constraint), metadata={**value.metadata, **declared})
+      value, raw_value=_on_manifold(value.raw_value, constraint), metadata={**value.metadata, **declared}
+    )
   if isinstance(value, flax_metadata.AxisMetadata):  # linen, e.g. nn.with_partitioning
     # The constraint goes inside, so that the outer box (and its partition
     # spec) stays where Flax looks for it.
@@ -111,8 +116,9 @@ def with_constraint(initializer: Callable[..., Any], constraint: Constraint) -> 
     raise TypeError(f"with_constraint: initializer must be callable, got {initializer!r}.")
   if not isinstance(constraint, Constraint):
     raise TypeError(
-        f"with_constraint: constraint must be a cola_jax Constraint (Circle, "
-        f"Orthogonal, Sphere, ...), got {constraint!r}.")
+      f"with_constraint: constraint must be a cola_jax Constraint (Circle, "
+      f"Orthogonal, Sphere, ...), got {constraint!r}."
+    )
   flax_metadata = _flax_metadata("with_constraint")
 
   @functools.wraps(initializer)
@@ -131,25 +137,31 @@ def _declared_constraint(leaf, flax_metadata):
     shape = metadata.get(flax_metadata.SHAPE_KEY)
     if declared is not None and shape is not None and tuple(jnp.shape(inner)) != shape:
       raise ValueError(
-          f"constraints_from: an nnx {type(leaf).__name__} of shape {tuple(jnp.shape(inner))} "
-          f"declares {declared!r} for the shape {shape} it was initialised with (nnx.vmap or "
-          "nnx.scan stacked it, or the layer reshaped its kernel), which changes what the "
-          "constraint means. Give the constraint of the stacked parameter with "
-          "cola.path_constraints or an explicit constraint pytree instead.")
+        f"constraints_from: an nnx {type(leaf).__name__} of shape {tuple(jnp.shape(inner))} "
+        f"declares {declared!r} for the shape {shape} it was initialised with (nnx.vmap or "
+        "nnx.scan stacked it, or the layer reshaped its kernel), which changes what the "
+        "constraint means. Give the constraint of the stacked parameter with "
+        "cola.path_constraints or an explicit constraint pytree instead."
+      )
   else:
     declared, inner = None, leaf
-  boxes = [box for box in jax.tree.leaves(inner, is_leaf=lambda x: isinstance(x, flax_metadata.Constrained))
-           if isinstance(box, flax_metadata.Constrained)]
+  boxes = [
+    box
+    for box in jax.tree.leaves(inner, is_leaf=lambda x: isinstance(x, flax_metadata.Constrained))
+    if isinstance(box, flax_metadata.Constrained)
+  ]
   if isinstance(leaf, flax_metadata.Variable) and boxes:
     raise ValueError(
-        f"constraints_from: an nnx {type(leaf).__name__} holds a with_constraint box as "
-        "its value, so nnx never saw the constraint. Write "
-        "cola.with_constraint(nnx.with_partitioning(init, names), constraint), not "
-        "nnx.with_partitioning(cola.with_constraint(init, constraint), names).")
+      f"constraints_from: an nnx {type(leaf).__name__} holds a with_constraint box as "
+      "its value, so nnx never saw the constraint. Write "
+      "cola.with_constraint(nnx.with_partitioning(init, names), constraint), not "
+      "nnx.with_partitioning(cola.with_constraint(init, constraint), names)."
+    )
   if len(boxes) > 1:
     raise ValueError(
-        f"constraints_from: one parameter declares {len(boxes)} constraints "
-        f"{[box.constraint for box in boxes]}; a parameter carries one constraint.")
+      f"constraints_from: one parameter declares {len(boxes)} constraints "
+      f"{[box.constraint for box in boxes]}; a parameter carries one constraint."
+    )
   return boxes[0].constraint if boxes else declared
 
 
@@ -181,12 +193,12 @@ def constraints_from(tree: Any) -> Any:
   """
   if "flax" in sys.modules:
     flax_metadata = _flax_metadata("constraints_from")
-    constraints = jax.tree.map(
-        lambda leaf: _declared_constraint(leaf, flax_metadata), tree, is_leaf=is_box)
+    constraints = jax.tree.map(lambda leaf: _declared_constraint(leaf, flax_metadata), tree, is_leaf=is_box)
     if jax.tree.leaves(constraints):
       return constraints
   raise ValueError(
-      "constraints_from: no parameter in the tree declares a constraint. Pass the "
-      "parameters as Flax made them: linen variables before flax.linen.meta.unbox, or "
-      "an nnx State of Variables (nnx.state(model, nnx.Param), not nnx.as_pure), of a "
-      "model whose initializers are wrapped in cola.with_constraint.")
+    "constraints_from: no parameter in the tree declares a constraint. Pass the "
+    "parameters as Flax made them: linen variables before flax.linen.meta.unbox, or "
+    "an nnx State of Variables (nnx.state(model, nnx.Param), not nnx.as_pure), of a "
+    "model whose initializers are wrapped in cola.with_constraint."
+  )

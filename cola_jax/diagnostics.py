@@ -23,8 +23,9 @@ def _cola_state(state):
   jax.tree.flatten(state, is_leaf=collect)
   if len(found) != 1:
     raise ValueError(
-        f"constraint_residuals: expected exactly one cola_od/cola_ud state inside "
-        f"the optimizer state, found {len(found)}.")
+      f"constraint_residuals: expected exactly one cola_od/cola_ud state inside "
+      f"the optimizer state, found {len(found)}."
+    )
   return found[0]
 
 
@@ -57,12 +58,14 @@ def constraint_residuals(params: Any, state: Any) -> Any:
   try:
     # optax.masked and optax.partition leave an optax.MaskedNode where the state
     # skips parameters: broadcast it over the parameters it stands for.
-    auxes = treedef.flatten_up_to(jax.tree.broadcast(
-        cola_state.constraint_states, params, is_leaf=_is_leaf_state))
+    auxes = treedef.flatten_up_to(jax.tree.broadcast(cola_state.constraint_states, params, is_leaf=_is_leaf_state))
   except (ValueError, TypeError) as error:
     raise ValueError(
-        "constraint_residuals: the state's constraint_states do not have the "
-        f"structure of params.\n{error}") from None
-  return treedef.unflatten([
+      f"constraint_residuals: the state's constraint_states do not have the structure of params.\n{error}"
+    ) from None
+  return treedef.unflatten(
+    [
       None if aux is None or isinstance(aux, optax.MaskedNode) else aux.residual(jnp.asarray(param))
-      for param, aux in zip(leaves, auxes)])
+      for param, aux in zip(leaves, auxes)
+    ]
+  )

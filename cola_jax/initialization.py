@@ -30,6 +30,6 @@ def project_params(params: Any, constraints: ConstraintSpec) -> Any:
     >>> params = cola.project_params(params, cola.orthogonal_constraints())  # doctest: +SKIP
   """
   layout = LeafLayout("project_params", constraints, params)
-  return layout.unflatten([
-      c.nearest(p).astype(param.dtype)
-      for c, p, param in zip(layout.constraints, layout.compute, layout.params)])
+  return layout.unflatten(
+    [c.nearest(p).astype(param.dtype) for c, p, param in zip(layout.constraints, layout.compute, layout.params)]
+  )

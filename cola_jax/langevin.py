@@ -35,20 +35,18 @@ References:
   integration and solvent-solute splitting*, Proc. R. Soc. A, 2016.
 """
 
-from typing import Optional
-
 import jax
 
 from cola_jax.constraints.base import Constraint, Momentum, Point
 
 
 def overdamped_step(
-    constraint: Constraint,
-    point: Point,
-    grad: jax.Array,
-    h,
-    noise_scale=None,
-    key: Optional[jax.Array] = None,
+  constraint: Constraint,
+  point: Point,
+  grad: jax.Array,
+  h,
+  noise_scale=None,
+  key: jax.Array | None = None,
 ) -> Point:
   """One Euler-Maruyama step of size ``h``, projected back onto the manifold.
 
@@ -56,18 +54,17 @@ def overdamped_step(
   """
   step = jax.tree.map(lambda force: -h * force, constraint.ambient_gradient(point, grad))
   if key is not None:
-    step = jax.tree.map(
-        lambda s, r: s + noise_scale * r, step, constraint.ambient_normal(key, point))
+    step = jax.tree.map(lambda s, r: s + noise_scale * r, step, constraint.ambient_normal(key, point))
   return constraint.project(point, step)
 
 
 def o_step(
-    constraint: Constraint,
-    point: Point,
-    momentum: Momentum,
-    decay,
-    noise_scale=None,
-    key: Optional[jax.Array] = None,
+  constraint: Constraint,
+  point: Point,
+  momentum: Momentum,
+  decay,
+  noise_scale=None,
+  key: jax.Array | None = None,
 ) -> Momentum:
   """Friction and fluctuation: the exact Ornstein-Uhlenbeck flow on ``T*_q M``.
 
@@ -91,14 +88,14 @@ def a_step(constraint: Constraint, point: Point, momentum: Momentum, h) -> tuple
 
 
 def oba_step(
-    constraint: Constraint,
-    point: Point,
-    momentum: Momentum,
-    grad: jax.Array,
-    h,
-    decay,
-    noise_scale=None,
-    key: Optional[jax.Array] = None,
+  constraint: Constraint,
+  point: Point,
+  momentum: Momentum,
+  grad: jax.Array,
+  h,
+  decay,
+  noise_scale=None,
+  key: jax.Array | None = None,
 ) -> tuple[Point, Momentum]:
   """One underdamped step in the paper's order: O, then B, then A."""
   momentum = o_step(constraint, point, momentum, decay, noise_scale, key)
@@ -107,15 +104,15 @@ def oba_step(
 
 
 def baoab_step(
-    constraint: Constraint,
-    point: Point,
-    momentum: Momentum,
-    grad: jax.Array,
-    h,
-    kick,
-    decay,
-    noise_scale=None,
-    key: Optional[jax.Array] = None,
+  constraint: Constraint,
+  point: Point,
+  momentum: Momentum,
+  grad: jax.Array,
+  h,
+  kick,
+  decay,
+  noise_scale=None,
+  key: jax.Array | None = None,
 ) -> tuple[Point, Momentum]:
   """One BAOAB step, written as B A O A with the kick ``kick``.
 

@@ -2,7 +2,7 @@
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional, Union
+from typing import Any
 
 import jax
 
@@ -35,7 +35,7 @@ class PathConstraints:
   Made by :func:`path_constraints`; the rules were checked there.
   """
 
-  def __init__(self, rules: list[tuple[re.Pattern, Optional[Constraint]]], default: Optional[Constraint]):
+  def __init__(self, rules: list[tuple[re.Pattern, Constraint | None]], default: Constraint | None):
     self.rules = rules
     self.default = default
 
@@ -58,24 +58,26 @@ class PathConstraints:
     rule = f"rule {i} ({pattern.pattern!r}, {constraint!r})"
     if matched:
       raise ValueError(
-          f"path_constraints: {rule} selects no parameter: every path it matches "
-          f"({', '.join(matched[:_SHOWN_PATHS])}) is taken by an earlier rule. Reorder "
-          "the rules (the first match wins) or remove it.")
+        f"path_constraints: {rule} selects no parameter: every path it matches "
+        f"({', '.join(matched[:_SHOWN_PATHS])}) is taken by an earlier rule. Reorder "
+        "the rules (the first match wins) or remove it."
+      )
     shown = ", ".join(paths[:_SHOWN_PATHS]) + (", ..." if len(paths) > _SHOWN_PATHS else "")
     raise ValueError(
-        f"path_constraints: {rule} matches no parameter path (re.search on "
-        f"'/'-joined key paths). The {len(paths)} paths are: {shown}")
+      f"path_constraints: {rule} matches no parameter path (re.search on "
+      f"'/'-joined key paths). The {len(paths)} paths are: {shown}"
+    )
 
 
-def _check_constraint(value, where: str) -> Optional[Constraint]:
+def _check_constraint(value, where: str) -> Constraint | None:
   if value is not None and not isinstance(value, Constraint):
     raise TypeError(f"path_constraints: {where} must be a cola_jax Constraint or None, got {value!r}.")
   return value
 
 
 def path_constraints(
-    rules: Sequence[tuple[Union[str, re.Pattern], Optional[Constraint]]],
-    default: Optional[Constraint] = None,
+  rules: Sequence[tuple[str | re.Pattern, Constraint | None]],
+  default: Constraint | None = None,
 ) -> PathConstraints:
   """Constraints for the parameters whose key paths match regular expressions.
 
@@ -113,8 +115,7 @@ def path_constraints(
     >>> tx = cola.cola_ud(0.1, friction=1.0, constraints=constraints)
   """
   if isinstance(rules, (str, bytes, Mapping)) or not isinstance(rules, Sequence):
-    raise TypeError(
-        f"path_constraints: rules must be a sequence of (regex, constraint) pairs, got {rules!r}.")
+    raise TypeError(f"path_constraints: rules must be a sequence of (regex, constraint) pairs, got {rules!r}.")
   compiled = []
   for i, rule in enumerate(rules):
     if not (isinstance(rule, Sequence) and not isinstance(rule, str) and len(rule) == 2):

@@ -17,7 +17,7 @@ and ``vmap`` and inside Flax's ``TrainState``.
 """
 
 import sys
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,16 +32,16 @@ from cola_jax._tree import ConstraintSpec, LeafLayout
 class OverdampedState(NamedTuple):
   """State of :func:`cola_od`."""
 
-  count: jax.Array  # steps taken, int32
-  key: Optional[jax.Array]  # PRNG key, None when no noise is ever drawn
+  count: jax.Array  # pyright: ignore[reportIncompatibleMethodOverride]  (steps taken, int32, as optax names it)
+  key: jax.Array | None  # PRNG key, None when no noise is ever drawn
   constraint_states: Any  # per leaf: auxiliary state of its constraint (None if free)
 
 
 class UnderdampedState(NamedTuple):
   """State of :func:`cola_ud`."""
 
-  count: jax.Array  # steps taken, int32
-  key: Optional[jax.Array]  # PRNG key, None when no noise is ever drawn
+  count: jax.Array  # pyright: ignore[reportIncompatibleMethodOverride]  (steps taken, int32, as optax names it)
+  key: jax.Array | None  # PRNG key, None when no noise is ever drawn
   constraint_states: Any  # per leaf: auxiliary state of its constraint (None if free)
   momentum: Any  # per leaf, in the stored form of its constraint (shaped like the leaf, or flat)
 
@@ -61,13 +61,11 @@ def _check_hyperparameters(owner, learning_rate, temperature, key) -> bool:
   if key is None:
     if callable(temperature) or (tau is not None and tau != 0):
       raise ValueError(
-          f"{owner}: temperature {temperature!r} needs a PRNG key to draw its "
-          "noise: pass key=jax.random.key(seed).")
+        f"{owner}: temperature {temperature!r} needs a PRNG key to draw its noise: pass key=jax.random.key(seed)."
+      )
     return False
   if not _is_prng_key(key):
-    raise TypeError(
-        f"{owner}: key must be a JAX PRNG key such as jax.random.key(seed), "
-        f"got {key!r}.")
+    raise TypeError(f"{owner}: key must be a JAX PRNG key such as jax.random.key(seed), got {key!r}.")
   exact_zero = isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature == 0
   return not exact_zero
 
@@ -81,7 +79,7 @@ def _is_prng_key(key) -> bool:
   return dtype == jnp.uint32 and getattr(key, "shape", ())[-1:] == (2,)
 
 
-def _at(value, count):
+def _at(value, count) -> Any:
   """A hyperparameter at step ``count``: schedules are called, numbers pass."""
   return value(count) if callable(value) else value
 
@@ -119,9 +117,10 @@ def _without_variables(params):
 def _check_state(owner: str, state, expected: type) -> None:
   if not isinstance(state, expected):
     raise TypeError(
-        f"{owner}: the optimizer state must be the {expected.__name__} returned by "
-        f"init(), got {type(state).__name__}. (A checkpoint restored without a "
-        "target comes back as dicts: restore it with tx.init(params) as the target.)")
+      f"{owner}: the optimizer state must be the {expected.__name__} returned by "
+      f"init(), got {type(state).__name__}. (A checkpoint restored without a "
+      "target comes back as dicts: restore it with tx.init(params) as the target.)"
+    )
 
 
 def _step_keys(key, noisy: bool, n_leaves: int):
@@ -152,11 +151,11 @@ def _map_leaves(n_outputs, leaf_step, constraints, params, *columns) -> tuple[li
     key = (_hashable(c), param.shape, param.dtype) if stackable else i
     groups.setdefault(key, []).append(i)
 
-  outputs = [None] * len(params)
+  outputs: list[Any] = [None] * len(params)
   for members in groups.values():
     c = constraints[members[0]]
     if len(members) == 1:
-      i, = members
+      (i,) = members
       outputs[i] = leaf_step(c, params[i], *(column[i] for column in columns))
       continue
     stacked = [_stack([column[i] for i in members]) for column in (params, *columns)]
@@ -190,11 +189,11 @@ def _stack(trees: list):
 
 
 def cola_od(
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    constraints: ConstraintSpec = None,
-    temperature: optax.ScalarOrSchedule = 0.0,
-    key: Optional[jax.Array] = None,
+  learning_rate: optax.ScalarOrSchedule,
+  *,
+  constraints: ConstraintSpec = None,
+  temperature: optax.ScalarOrSchedule = 0.0,
+  key: jax.Array | None = None,
 ) -> optax.GradientTransformation:
   r"""Constrained overdamped Langevin dynamics (CoLA-od).
 
@@ -242,8 +241,7 @@ def cola_od(
   def init_fn(params):
     layout = LeafLayout(owner, constraints, _without_variables(params))
     auxes = [c.init(p) for c, p in zip(layout.constraints, layout.compute)]
-    return OverdampedState(
-        count=jnp.zeros([], jnp.int32), key=key, constraint_states=layout.unflatten(auxes))
+    return OverdampedState(count=jnp.zeros([], jnp.int32), key=key, constraint_states=layout.unflatten(auxes))
 
   def update_fn(grads, state, params=None):
     _check_state(owner, state, OverdampedState)
@@ -259,23 +257,22 @@ def cola_od(
       point = langevin.overdamped_step(c, c.point(param, aux), grad, h, noise_scale, leaf_key)
       return c.unpack(point, param)
 
-    new_params, new_auxes = _map_leaves(
-        2, leaf_step, layout.constraints, layout.compute, grad_leaves, auxes, leaf_keys)
+    new_params, new_auxes = _map_leaves(2, leaf_step, layout.constraints, layout.compute, grad_leaves, auxes, leaf_keys)
     return layout.updates(new_params), OverdampedState(
-        count=optax.safe_increment(state.count), key=next_key,
-        constraint_states=layout.unflatten(new_auxes))
+      count=jnp.asarray(optax.safe_increment(state.count)), key=next_key, constraint_states=layout.unflatten(new_auxes)
+    )
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 def cola_ud(
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    friction: float,
-    constraints: ConstraintSpec = None,
-    temperature: optax.ScalarOrSchedule = 0.0,
-    key: Optional[jax.Array] = None,
-    splitting: str = "OBA",
+  learning_rate: optax.ScalarOrSchedule,
+  *,
+  friction: float,
+  constraints: ConstraintSpec = None,
+  temperature: optax.ScalarOrSchedule = 0.0,
+  key: jax.Array | None = None,
+  splitting: str = "OBA",
 ) -> optax.GradientTransformation:
   r"""Constrained underdamped Langevin dynamics (CoLA-ud), OBA or BAOAB splitting.
 
@@ -336,8 +333,11 @@ def cola_ud(
     auxes = [c.init(p) for c, p in zip(layout.constraints, layout.compute)]
     momenta = [c.zero_momentum(p) for c, p in zip(layout.constraints, layout.compute)]
     return UnderdampedState(
-        count=jnp.zeros([], jnp.int32), key=key,
-        constraint_states=layout.unflatten(auxes), momentum=layout.unflatten(momenta))
+      count=jnp.zeros([], jnp.int32),
+      key=key,
+      constraint_states=layout.unflatten(auxes),
+      momentum=layout.unflatten(momenta),
+    )
 
   def update_fn(grads, state, params=None):
     _check_state(owner, state, UnderdampedState)
@@ -348,8 +348,7 @@ def cola_ud(
     layout.check_state(auxes, momenta)
     h = _step_size_at(learning_rate, state.count)
     decay = jnp.exp(-friction * h)
-    noise_scale = (
-        jnp.sqrt(_temperature_at(temperature, state.count) * (1 - decay * decay)) if noisy else None)
+    noise_scale = jnp.sqrt(_temperature_at(temperature, state.count) * (1 - decay * decay)) if noisy else None
     next_key, leaf_keys = _step_keys(state.key, noisy, len(layout.params))
 
     kick = jnp.where(state.count == 0, h / 2, h)
@@ -357,18 +356,20 @@ def cola_ud(
     def leaf_step(c, param, grad, aux, stored, leaf_key):
       point, momentum = c.point(param, aux), c.load_momentum(stored)
       if splitting == "OBA":
-        point, momentum = langevin.oba_step(
-            c, point, momentum, grad, h, decay, noise_scale, leaf_key)
+        point, momentum = langevin.oba_step(c, point, momentum, grad, h, decay, noise_scale, leaf_key)
       else:
-        point, momentum = langevin.baoab_step(
-            c, point, momentum, grad, h, kick, decay, noise_scale, leaf_key)
+        point, momentum = langevin.baoab_step(c, point, momentum, grad, h, kick, decay, noise_scale, leaf_key)
       new_param, new_aux = c.unpack(point, param)
       return new_param, new_aux, c.store_momentum(momentum, param).astype(stored.dtype)
 
     new_params, new_auxes, new_momenta = _map_leaves(
-        3, leaf_step, layout.constraints, layout.compute, grad_leaves, auxes, momenta, leaf_keys)
+      3, leaf_step, layout.constraints, layout.compute, grad_leaves, auxes, momenta, leaf_keys
+    )
     return layout.updates(new_params), UnderdampedState(
-        count=optax.safe_increment(state.count), key=next_key,
-        constraint_states=layout.unflatten(new_auxes), momentum=layout.unflatten(new_momenta))
+      count=jnp.asarray(optax.safe_increment(state.count)),
+      key=next_key,
+      constraint_states=layout.unflatten(new_auxes),
+      momentum=layout.unflatten(new_momenta),
+    )
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]

@@ -5,10 +5,10 @@ import sys
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
 
 
 def mlp_params(key, sizes):
@@ -18,8 +18,8 @@ def mlp_params(key, sizes):
     key, kw, kb = jax.random.split(key, 3)
     bound = 1 / jnp.sqrt(fan_in)
     params[f"layer{i}"] = {
-        "w": jax.random.uniform(kw, (fan_in, fan_out), minval=-bound, maxval=bound),
-        "b": jax.random.uniform(kb, (fan_out,), minval=-bound, maxval=bound),
+      "w": jax.random.uniform(kw, (fan_in, fan_out), minval=-bound, maxval=bound),
+      "b": jax.random.uniform(kb, (fan_out,), minval=-bound, maxval=bound),
     }
   return params
 
@@ -57,17 +57,16 @@ def cnn_params(key):
   """A conv kernel (3,3,2,4) = 18x4 tall, then tall, wide and square dense layers."""
   k = jax.random.split(key, 5)
   return {
-      "conv": {"kernel": 0.3 * jax.random.normal(k[0], (3, 3, 2, 4)), "bias": jnp.zeros(4)},
-      "tall": {"kernel": 0.3 * jax.random.normal(k[1], (16, 6)), "bias": jnp.zeros(6)},
-      "wide": {"kernel": 0.3 * jax.random.normal(k[2], (6, 10)), "bias": jnp.zeros(10)},
-      "square": {"kernel": 0.3 * jax.random.normal(k[3], (10, 10)), "bias": jnp.zeros(10)},
-      "out": {"kernel": 0.3 * jax.random.normal(k[4], (10, 3)), "bias": jnp.zeros(3)},
+    "conv": {"kernel": 0.3 * jax.random.normal(k[0], (3, 3, 2, 4)), "bias": jnp.zeros(4)},
+    "tall": {"kernel": 0.3 * jax.random.normal(k[1], (16, 6)), "bias": jnp.zeros(6)},
+    "wide": {"kernel": 0.3 * jax.random.normal(k[2], (6, 10)), "bias": jnp.zeros(10)},
+    "square": {"kernel": 0.3 * jax.random.normal(k[3], (10, 10)), "bias": jnp.zeros(10)},
+    "out": {"kernel": 0.3 * jax.random.normal(k[4], (10, 3)), "bias": jnp.zeros(3)},
   }
 
 
 def cnn_apply(p, x):
-  x = jax.lax.conv_general_dilated(
-      x, p["conv"]["kernel"], (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  x = jax.lax.conv_general_dilated(x, p["conv"]["kernel"], (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
   x = jax.nn.relu(x + p["conv"]["bias"]).reshape(x.shape[0], -1)  # 2x2x4 = 16
   for name in ("tall", "wide", "square"):
     x = jnp.tanh(x @ p[name]["kernel"] + p[name]["bias"])

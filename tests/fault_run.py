@@ -19,12 +19,12 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
+import jax
+import jax.numpy as jnp
+import optax
+import orbax.checkpoint as ocp
 
-import cola_jax as cola  # noqa: E402
+import cola_jax as cola
 
 EVERY = 5
 SIZES = (6, 16, 12, 3)
@@ -34,15 +34,19 @@ BATCH, N = 8, 64
 def initial_params():
   params = {}
   for i, key in enumerate(jax.random.split(jax.random.key(0), len(SIZES) - 1)):
-    params[f"layer{i}"] = {"w": jax.random.normal(key, SIZES[i:i + 2]) / jnp.sqrt(SIZES[i]),
-                           "b": jnp.zeros(SIZES[i + 1])}
+    params[f"layer{i}"] = {
+      "w": jax.random.normal(key, SIZES[i : i + 2]) / jnp.sqrt(SIZES[i]),
+      "b": jnp.zeros(SIZES[i + 1]),
+    }
   return params
 
 
 def transform():
-  constraints = {"layer0": {"w": cola.Circle(0.3), "b": None},
-                 "layer1": {"w": cola.Orthogonal(), "b": None},
-                 "layer2": None}
+  constraints = {
+    "layer0": {"w": cola.Circle(0.3), "b": None},
+    "layer1": {"w": cola.Orthogonal(), "b": None},
+    "layer2": None,
+  }
   return cola.cola_ud(0.2, friction=1.0, constraints=constraints, temperature=1e-3, key=jax.random.key(1))
 
 

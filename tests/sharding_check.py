@@ -65,23 +65,24 @@ SIZES = (32, 16, 8)  # every kernel (in, out) is tall: Q = W
 TAUS = (0.0, 1e-4)
 
 METHODS = {
-    "c_cola_ud": lambda key: optax.inject_hyperparams(cola.c_cola_ud)(
-        0.3, friction=1.0, radius=0.2, temperature=0.0, key=key),
-    "o_cola_od": lambda key: optax.inject_hyperparams(cola.o_cola_od)(0.05, temperature=0.0, key=key),
-    "o_cola_ud": lambda key: optax.inject_hyperparams(cola.o_cola_ud)(
-        0.1, friction=1.0, temperature=0.0, key=key),
+  "c_cola_ud": lambda key: optax.inject_hyperparams(cola.c_cola_ud)(
+    0.3, friction=1.0, radius=0.2, temperature=0.0, key=key
+  ),
+  "o_cola_od": lambda key: optax.inject_hyperparams(cola.o_cola_od)(0.05, temperature=0.0, key=key),
+  "o_cola_ud": lambda key: optax.inject_hyperparams(cola.o_cola_ud)(0.1, friction=1.0, temperature=0.0, key=key),
 }
 
 # layout: (axis name, axis types, kernel spec, bias spec, batch spec)
 LAYOUTS = {
-    "data": ("data", (AxisType.Auto,), P(), P(), P("data", None)),
-    "model_rows": ("model", (AxisType.Auto,), P("model"), P(), P()),
-    "model_cols": ("model", (AxisType.Auto,), P(None, "model"), P("model"), P()),
-    "explicit": ("model", None, P("model"), P(), P()),
+  "data": ("data", (AxisType.Auto,), P(), P(), P("data", None)),
+  "model_rows": ("model", (AxisType.Auto,), P("model"), P(), P()),
+  "model_cols": ("model", (AxisType.Auto,), P(None, "model"), P("model"), P()),
+  "explicit": ("model", None, P("model"), P(), P()),
 }
 
 _COLLECTIVE = re.compile(
-    r"= (\([^=]*?\)|\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(")
+  r"= (\([^=]*?\)|\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\("
+)
 _NOISE_ORIGIN = re.compile(r"jit\(_normal\)|jit\(_uniform\)|random_bits|threefry2x32|erf_inv")
 _SHAPE = re.compile(r"= \w+\[([\d,]*)\]")
 
@@ -208,19 +209,21 @@ def check(method: str, layout: str, references) -> dict:
   report["max_rel_error"] = {}
   report["max_residual"] = {}
   for tau, (trained, trained_state) in results.items():
-    errors = [float(np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b)))
-              for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(references[tau]))]
+    errors = [
+      float(np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b)))
+      for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(references[tau]))
+    ]
     report["max_rel_error"][str(tau)] = max(errors)
     residuals = jax.tree.leaves(cola.constraint_residuals(trained, trained_state))
     report["max_residual"][str(tau)] = max(float(r) for r in residuals)
 
   found = collectives(hlo)
   report["collectives"] = sorted({f"{kind} {shape} <- {origin.split('/', 1)[-1]}" for kind, shape, origin in found})
-  report["noise_collectives"] = sorted({f"{kind} {shape} <- {origin}" for kind, shape, origin in found
-                                        if _NOISE_ORIGIN.search(origin)})
+  report["noise_collectives"] = sorted(
+    {f"{kind} {shape} <- {origin}" for kind, shape, origin in found if _NOISE_ORIGIN.search(origin)}
+  )
   report["noise_elements"] = noise_elements(hlo)
-  report["shard_elements"] = max(
-      int(np.prod(leaf.sharding.shard_shape(leaf.shape))) for leaf in flat_params)
+  report["shard_elements"] = max(int(np.prod(leaf.sharding.shard_shape(leaf.shape))) for leaf in flat_params)
   return report
 
 
@@ -228,8 +231,7 @@ def single_device_references(method: str):
   params, x, y = problem()
   tx = METHODS[method](jax.random.key(42))
   step = make_step(tx)
-  return {tau: jax.tree.map(np.asarray, train(step, params, init_at(tx, params, tau), x, y)[0])
-          for tau in TAUS}
+  return {tau: jax.tree.map(np.asarray, train(step, params, init_at(tx, params, tau), x, y)[0]) for tau in TAUS}
 
 
 def main():
@@ -242,12 +244,16 @@ def main():
     layouts = ["model_rows"] if method == "o_cola_ud" else ["data", "model_rows", "model_cols", "explicit"]
     for layout in layouts:
       reports.append(check(method, layout, references))
-  print(json.dumps({
-      "devices": jax.device_count(),
-      "threefry_partitionable": bool(jax.config.jax_threefry_partitionable),
-      "default_make_mesh_axis_types": [str(t) for t in jax.make_mesh((_DEVICES,), ("a",)).axis_types],
-      "reports": reports,
-  }))
+  print(
+    json.dumps(
+      {
+        "devices": jax.device_count(),
+        "threefry_partitionable": bool(jax.config.jax_threefry_partitionable),
+        "default_make_mesh_axis_types": [str(t) for t in jax.make_mesh((_DEVICES,), ("a",)).axis_types],
+        "reports": reports,
+      }
+    )
+  )
 
 
 if __name__ == "__main__":

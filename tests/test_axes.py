@@ -21,15 +21,15 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
 
-import cola_jax as cola  # noqa: E402
-from cola_jax import transforms  # noqa: E402
-from cola_jax.constraints.orthogonal import from_tall_view, tall_view  # noqa: E402
+import cola_jax as cola
+from cola_jax import transforms
+from cola_jax.constraints.orthogonal import from_tall_view, tall_view
 
 
 def _force(w):
@@ -76,11 +76,14 @@ def test_orthogonal_axes_construction_errors():
   assert c == cola.Orthogonal(row_axes=(2,), column_axes=(3,)) and hash(c)
 
 
-@pytest.mark.parametrize("constraint, message", [
+@pytest.mark.parametrize(
+  "constraint, message",
+  [
     (cola.Orthogonal(row_axes=2, column_axes=4), r"column_axes=\(4,\) is out of range .* rank 4"),
     (cola.Orthogonal(row_axes=-5, column_axes=3), r"row_axes=\(-5,\) is out of range"),
     (cola.Orthogonal(row_axes=2, column_axes=-2), r"axis 2 is named twice"),
-])
+  ],
+)
 def test_orthogonal_axes_validation_names_the_leaf(constraint, message):
   params = {"conv": {"kernel": jnp.ones((3, 3, 2, 4)), "bias": jnp.zeros(4)}}
   tx = cola.cola_od(0.1, constraints={"conv": {"kernel": constraint, "bias": None}})
@@ -88,13 +91,16 @@ def test_orthogonal_axes_validation_names_the_leaf(constraint, message):
     tx.init(params)
 
 
-@pytest.mark.parametrize("shape, rows, columns, stack", [
+@pytest.mark.parametrize(
+  "shape, rows, columns, stack",
+  [
     ((2, 3, 5, 4), (2,), (3,), (6, 5, 4)),  # tall
     ((2, 3, 5, 4), (3,), (2,), (6, 5, 4)),  # the transpose: the same tall matrices
     ((3, 5, 2), 0, 1, (2, 5, 3)),  # wide, batch axis last: stored transposed
     ((4, 2, 4), -1, 0, (2, 4, 4)),  # square, batch axis in the middle
     ((2, 3, 4), (0, 2), 1, (8, 3)),  # no batch axis, rows from two axes
-])
+  ],
+)
 def test_batched_view_round_trips(shape, rows, columns, stack):
   w = jax.random.normal(jax.random.key(0), shape)
   q = tall_view(w, rows, columns)
@@ -117,35 +123,45 @@ def _matrices(w, rows, columns):
 BATCHED = {"conv": ((2, 2, 5, 3), 2, 3), "wide": ((3, 5, 2), 0, 1), "square": ((4, 2, 4), -1, 0)}
 
 
-@pytest.mark.parametrize("method, projection", [
-    ("od", "quasi_newton"), ("ud", "newton"), ("ud", "square_root"),
+@pytest.mark.parametrize(
+  "method, projection",
+  [
+    ("od", "quasi_newton"),
+    ("ud", "newton"),
+    ("ud", "square_root"),
     pytest.param("ud", "quasi_newton", marks=pytest.mark.slow),
     pytest.param("od", "newton", marks=pytest.mark.slow),
     pytest.param("od", "square_root", marks=pytest.mark.slow),
-])
+  ],
+)
 def test_batched_trajectory_equals_separate_leaves(method, projection):
   keys = jax.random.split(jax.random.key(1), len(BATCHED))
-  params = {name: 0.5 * jax.random.normal(k, shape)  # not orthonormal: the first update projects
-            for k, (name, (shape, _, _)) in zip(keys, BATCHED.items())}
-  batched = {name: cola.Orthogonal(projection=projection, row_axes=rows, column_axes=columns)
-             for name, (_, rows, columns) in BATCHED.items()}
-  separate_params = {f"{name}{i}": jnp.asarray(m) for name, (_, rows, columns) in BATCHED.items()
-                     for i, m in enumerate(_matrices(params[name], rows, columns))}
+  params = {
+    name: 0.5 * jax.random.normal(k, shape)  # not orthonormal: the first update projects
+    for k, (name, (shape, _, _)) in zip(keys, BATCHED.items())
+  }
+  batched = {
+    name: cola.Orthogonal(projection=projection, row_axes=rows, column_axes=columns)
+    for name, (_, rows, columns) in BATCHED.items()
+  }
+  separate_params = {
+    f"{name}{i}": jnp.asarray(m)
+    for name, (_, rows, columns) in BATCHED.items()
+    for i, m in enumerate(_matrices(params[name], rows, columns))
+  }
   h = 0.05 if method == "od" else 0.2
   got, state = _run(_make(method, h, batched), params, 15)
-  expected, separate_state = _run(
-      _make(method, h, cola.Orthogonal(projection=projection)), separate_params, 15)
+  expected, separate_state = _run(_make(method, h, cola.Orthogonal(projection=projection)), separate_params, 15)
 
   residuals = cola.constraint_residuals(got, state)
   for name, (_, rows, columns) in BATCHED.items():
     parts = _matrices(got[name], rows, columns)
     infos = [separate_state.constraint_states[f"{name}{i}"] for i in range(len(parts))]
-    moved = max(float(np.max(np.abs(expected[f"{name}{i}"] - separate_params[f"{name}{i}"])))
-                for i in range(len(parts)))
-    error = max(float(np.max(np.abs(part - expected[f"{name}{i}"])))
-                for i, part in enumerate(parts))
-    print(f"\n{name} {method} {projection}: moved {moved:.2f}, max |batched - separate| = "
-          f"{error:.1e}")
+    moved = max(
+      float(np.max(np.abs(expected[f"{name}{i}"] - separate_params[f"{name}{i}"]))) for i in range(len(parts))
+    )
+    error = max(float(np.max(np.abs(part - expected[f"{name}{i}"]))) for i, part in enumerate(parts))
+    print(f"\n{name} {method} {projection}: moved {moved:.2f}, max |batched - separate| = {error:.1e}")
     assert moved > 0.1 and error <= 1e-6
     info = state.constraint_states[name]
     assert int(info.iterations) == max(int(i.iterations) for i in infos) >= 1
@@ -182,8 +198,7 @@ def test_batched_noise_is_drawn_per_matrix(method):
   # od: E|D|^2 = 2 tau h dim; ud: |h p|^2 with E|p|^2 = tau dim at equilibrium.
   expected = (2 * tau * h if method == "od" else tau * h * h) * dimension
   ratio = np.mean(np.sum(d * d, axis=1)) / expected
-  print(f"\n{method}: correlation of neighbours {correlation:.3f}, "
-        f"E|D|^2 / expected {ratio:.3f}")
+  print(f"\n{method}: correlation of neighbours {correlation:.3f}, E|D|^2 / expected {ratio:.3f}")
   assert abs(correlation) < 0.06
   assert abs(ratio - 1) < 0.12  # chi^2 with 6 dof over 512 matrices: sd 0.026 (od)
 
@@ -245,33 +260,45 @@ def test_implicit_axis_construction_errors():
   assert cola.Implicit(equality=jnp.sum, axis=[0]) == cola.Implicit(equality=jnp.sum, axis=0)
 
 
-@pytest.mark.parametrize("constraint, message", [
+@pytest.mark.parametrize(
+  "constraint, message",
+  [
     (cola.Implicit(equality=jnp.sum, axis=2), r"axis=\(2,\) is out of range .* rank 2"),
     (cola.Implicit(equality=jnp.sum, axis=(0, -2)), r"axis 0 is named twice"),
-    (cola.Implicit(equality=lambda u: u @ jnp.ones(4), axis=0),
-     r"per unit of shape \(3,\) \(axis=\(0,\)\): equality\(x\) fails"),
-    (cola.Implicit(equality=lambda u: jnp.concatenate([u, u]), axis=0),
-     r"per unit of shape \(3,\).*6 constraint components for 3 coordinates"),
-])
+    (
+      cola.Implicit(equality=lambda u: u @ jnp.ones(4), axis=0),
+      r"per unit of shape \(3,\) \(axis=\(0,\)\): equality\(x\) fails",
+    ),
+    (
+      cola.Implicit(equality=lambda u: jnp.concatenate([u, u]), axis=0),
+      r"per unit of shape \(3,\).*6 constraint components for 3 coordinates",
+    ),
+  ],
+)
 def test_implicit_axis_validation_names_the_leaf(constraint, message):
   params = {"dense": {"kernel": jnp.ones((3, 4)), "bias": jnp.zeros(4)}}
-  for tx in (cola.cola_od(0.1, constraints={"dense": {"kernel": constraint, "bias": None}}),
-             cola.cola_ud(0.1, friction=1.0,
-                          constraints={"dense": {"kernel": constraint, "bias": None}})):
+  for tx in (
+    cola.cola_od(0.1, constraints={"dense": {"kernel": constraint, "bias": None}}),
+    cola.cola_ud(0.1, friction=1.0, constraints={"dense": {"kernel": constraint, "bias": None}}),
+  ):
     with pytest.raises(ValueError, match=r"\['dense'\]\['kernel'\].*" + message):
       tx.init(params)
 
 
-PER_UNIT = {"pair": cola.Implicit(equality=_unit_norm_and_zero_sum, axis=0),
-            "ball": cola.Implicit(inequality=_unit_ball, axis=0),
-            "fibres": cola.Implicit(equality=_fibres_norm, axis=(0, -1))}
-DENSE = {"pair": cola.Implicit(equality=_columns_norm_and_zero_sum),
-         "ball": cola.Implicit(inequality=_columns_ball),
-         "fibres": cola.Implicit(equality=_fibres_norm_dense)}
+PER_UNIT = {
+  "pair": cola.Implicit(equality=_unit_norm_and_zero_sum, axis=0),
+  "ball": cola.Implicit(inequality=_unit_ball, axis=0),
+  "fibres": cola.Implicit(equality=_fibres_norm, axis=(0, -1)),
+}
+DENSE = {
+  "pair": cola.Implicit(equality=_columns_norm_and_zero_sum),
+  "ball": cola.Implicit(inequality=_columns_ball),
+  "fibres": cola.Implicit(equality=_fibres_norm_dense),
+}
 UNIT_START = {
-    "pair": jax.random.normal(jax.random.key(5), (4, 3)),  # off the manifold
-    "ball": 0.4 * jax.random.uniform(jax.random.key(6), (4, 3), minval=-0.5, maxval=0.5),
-    "fibres": 0.5 * jax.random.normal(jax.random.key(7), (2, 3, 2)),
+  "pair": jax.random.normal(jax.random.key(5), (4, 3)),  # off the manifold
+  "ball": 0.4 * jax.random.uniform(jax.random.key(6), (4, 3), minval=-0.5, maxval=0.5),
+  "fibres": 0.5 * jax.random.normal(jax.random.key(7), (2, 3, 2)),
 }
 
 
@@ -300,18 +327,20 @@ def test_per_unit_trajectory_equals_dense(method, h):
     assert float(residuals[name]) <= 1e-6
     # One slack per unit (the other axes' shape), none without inequalities.
     assert state.constraint_states[name].slack.shape == {"ball": (3,)}.get(name, (3, 0))
-    np.testing.assert_allclose(np.ravel(state.constraint_states[name].slack),
-                               np.ravel(dense_state.constraint_states[name].slack), atol=1e-5)
+    np.testing.assert_allclose(
+      np.ravel(state.constraint_states[name].slack), np.ravel(dense_state.constraint_states[name].slack), atol=1e-5
+    )
     if method == "ud":
       p = state.momentum[name]
       assert p.shape == (3, UNIT_START[name].size // 3 + (name == "ball"))
       np.testing.assert_allclose(
-          _per_unit_momentum_as_dense(p, UNIT_START[name].shape, PER_UNIT[name].axis),
-          dense_state.momentum[name], atol=1e-5)
+        _per_unit_momentum_as_dense(p, UNIT_START[name].shape, PER_UNIT[name].axis),
+        dense_state.momentum[name],
+        atol=1e-5,
+      )
 
 
-@pytest.mark.parametrize("method, h, steps, atol", [("od", 0.01, 200, 5e-6),
-                                                     ("ud", 0.02, 100, 1e-4)])
+@pytest.mark.parametrize("method, h, steps, atol", [("od", 0.01, 200, 5e-6), ("ud", 0.02, 100, 1e-4)])
 def test_per_unit_ball_agrees_with_sphere(method, h, steps, atol):
   """Sphere(0.5) and the per-unit slack form of the same ball (as in test_implicit.py).
 
@@ -320,12 +349,11 @@ def test_per_unit_ball_agrees_with_sphere(method, h, steps, atol):
   """
   start = jnp.linspace(-0.4, 0.35, 12).reshape(3, 4)
   implicit = cola.Implicit(inequality=_unit_ball, axis=0)
-  force = lambda w: 3.0 * (w - 0.2) + jnp.sin(5.0 * w)  # noqa: E731
+  force = lambda w: 3.0 * (w - 0.2) + jnp.sin(5.0 * w)
   p_closed, _ = _run(_make(method, h, cola.Sphere(0.5)), start, steps, force)
   p_implicit, state = _run(_make(method, h, implicit), start, steps, force)
   error = float(jnp.max(jnp.abs(p_implicit - p_closed)))
-  print(f"\n{method}: moved {float(jnp.max(jnp.abs(p_closed - start))):.2f}, "
-        f"max |implicit - sphere| = {error:.1e}")
+  print(f"\n{method}: moved {float(jnp.max(jnp.abs(p_closed - start))):.2f}, max |implicit - sphere| = {error:.1e}")
   assert float(jnp.max(jnp.abs(p_closed - start))) > 0.05 and error <= atol
   assert state.constraint_states.slack.shape == (4,)
   assert bool(state.constraint_states.converged)
@@ -335,8 +363,9 @@ def test_per_unit_norm_projects_radially():
   """Newton along ``G(z)^T = 2 z`` from ``z`` scales each unit: the nearest point is radial."""
   w = jax.random.normal(jax.random.key(8), (5, 6, 2))
   unit_norm = cola.Implicit(equality=lambda u: jnp.sum(u * u) - 1, axis=1)
-  np.testing.assert_allclose(cola.project_params(w, unit_norm),
-                             w / jnp.linalg.norm(w, axis=1, keepdims=True), atol=1e-6)
+  np.testing.assert_allclose(
+    cola.project_params(w, unit_norm), w / jnp.linalg.norm(w, axis=1, keepdims=True), atol=1e-6
+  )
 
 
 def test_a_failing_unit_is_rejected_alone():
@@ -373,14 +402,17 @@ def test_same_shape_leaves_stepped_together_equal_leaf_by_leaf(monkeypatch):
   """On accelerators same-shape leaves are vmapped together, around the vmap over parts."""
   keys = jax.random.split(jax.random.key(9), 4)
   params = {
-      "k0": 0.5 * jax.random.normal(keys[0], (2, 4, 3)),
-      "k1": 0.5 * jax.random.normal(keys[1], (2, 4, 3)),
-      "w0": jax.random.normal(keys[2], (4, 3)),
-      "w1": jax.random.normal(keys[3], (4, 3)),
+    "k0": 0.5 * jax.random.normal(keys[0], (2, 4, 3)),
+    "k1": 0.5 * jax.random.normal(keys[1], (2, 4, 3)),
+    "w0": jax.random.normal(keys[2], (4, 3)),
+    "w1": jax.random.normal(keys[3], (4, 3)),
   }
-  constraints = {"k0": cola.Orthogonal(row_axes=1, column_axes=2),
-                 "k1": cola.Orthogonal(row_axes=1, column_axes=2),
-                 "w0": PER_UNIT["pair"], "w1": PER_UNIT["pair"]}
+  constraints = {
+    "k0": cola.Orthogonal(row_axes=1, column_axes=2),
+    "k1": cola.Orthogonal(row_axes=1, column_axes=2),
+    "w0": PER_UNIT["pair"],
+    "w1": PER_UNIT["pair"],
+  }
   tx = cola.cola_od(0.05, constraints=constraints, temperature=1e-3, key=jax.random.key(1))
   monkeypatch.setattr(transforms, "_stacking_pays", lambda: True)  # as on an accelerator
   stacked, stacked_state = _run(tx, params, 5)
@@ -390,4 +422,5 @@ def test_same_shape_leaves_stepped_together_equal_leaf_by_leaf(monkeypatch):
     np.testing.assert_allclose(stacked[name], single[name], atol=2e-6, err_msg=name)
     for field in ("iterations", "converged"):
       assert int(getattr(stacked_state.constraint_states[name], field)) == int(
-          getattr(single_state.constraint_states[name], field)), (name, field)
+        getattr(single_state.constraint_states[name], field)
+      ), (name, field)

@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+
 @pytest.fixture(scope="module")
 def step_overhead(load_benchmark):
   return load_benchmark("step_overhead")

@@ -31,15 +31,15 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import pytest  # noqa: E402
-from scipy import stats  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from scipy import stats
 
-import cola_jax as cola  # noqa: E402
-from cola_jax import langevin  # noqa: E402
+import cola_jax as cola
+from cola_jax import langevin
 
 ACCEPT = 1e-3
 REJECT = 1e-6
@@ -99,14 +99,18 @@ def test_unit_norm_hyperparameters_and_axes_are_checked():
     cola.UnitNorm(axis=(0, 0))
   assert cola.UnitNorm(axis=[0, 1]) == cola.UnitNorm(axis=(0, 1))
   params = {"layer": {"w": jnp.ones((3, 4)), "b": jnp.ones(4)}}
-  with pytest.raises(ValueError, match=r"UnitNorm constraint on the leaf at \['layer'\]\['w'\].*"
-                                       r"axis 2 is out of range"):
+  with pytest.raises(
+    ValueError,
+    match=r"UnitNorm constraint on the leaf at \['layer'\]\['w'\].*"
+    r"axis 2 is out of range",
+  ):
     cola.cola_od(0.1, constraints={"layer": {"w": cola.UnitNorm(axis=2), "b": None}}).init(params)
   # A bias under the default axis: units of one entry, |b_i| = r leaves only +-r.
   with pytest.raises(ValueError, match=r"leaf at \['layer'\]\['b'\].*1 entry.*axis=0 for a vector"):
     cola.cola_ud(0.1, friction=1.0, constraints=cola.UnitNorm()).init(params)
-  cola.cola_ud(0.1, friction=1.0, constraints={"layer": {"w": cola.UnitNorm(),
-                                                         "b": cola.UnitNorm(axis=0)}}).init(params)
+  cola.cola_ud(0.1, friction=1.0, constraints={"layer": {"w": cola.UnitNorm(), "b": cola.UnitNorm(axis=0)}}).init(
+    params
+  )
 
 
 def test_nearest_points():
@@ -239,12 +243,10 @@ def test_non_negative_b_step_and_noise_are_tangential():
   g = jnp.array([2.0, -1.0, 0.5])
   kicked = langevin.b_step(c, point, jnp.zeros(3), g, 0.3)
   # p = v (2s, 1) / n: the gradient (g, 0) projects to 2 s g / n.
-  np.testing.assert_allclose(kicked, -0.3 * 2 * s * np.asarray(g) / np.sqrt(1 + 4 * s**2),
-                             rtol=1e-6)
+  np.testing.assert_allclose(kicked, -0.3 * 2 * s * np.asarray(g) / np.sqrt(1 + 4 * s**2), rtol=1e-6)
   # The cotangent projection is orthogonal: idempotent on the unit tangent.
   t = (2 * s / np.sqrt(1 + 4 * s**2), 1 / np.sqrt(1 + 4 * s**2))
-  np.testing.assert_allclose(c.cotangent(point, (jnp.asarray(t[0]), jnp.asarray(t[1]))), 1.0,
-                             rtol=1e-6)
+  np.testing.assert_allclose(c.cotangent(point, (jnp.asarray(t[0]), jnp.asarray(t[1]))), 1.0, rtol=1e-6)
   normal = (jnp.asarray(1 / np.sqrt(1 + 4 * s**2)), jnp.asarray(-2 * s / np.sqrt(1 + 4 * s**2)))
   np.testing.assert_allclose(c.cotangent(point, normal), 0.0, atol=1e-7)
 
@@ -285,8 +287,7 @@ def test_unit_norm_a_step_is_the_great_circle():
   assert np.all(np.abs(np.asarray(w1) - expected_w) <= 1e-6 + 3e-7 * r * phi)
   assert np.all(np.abs(np.asarray(u1) - expected_u) <= (1e-6 + 3e-7 * phi) * np.maximum(speed, 1))
   np.testing.assert_allclose(np.linalg.norm(np.asarray(w1, np.float64), axis=0), r, rtol=3e-7)
-  np.testing.assert_allclose(np.sum(np.asarray(w1) * np.asarray(u1), axis=0), 0,
-                             atol=1e-6 * max(1, speed.max()))
+  np.testing.assert_allclose(np.sum(np.asarray(w1) * np.asarray(u1), axis=0), 0, atol=1e-6 * max(1, speed.max()))
   np.testing.assert_array_equal(w1[:, 0], w[:, 0])  # no momentum: no motion
 
 
@@ -301,8 +302,7 @@ def test_unit_norm_projections():
   v = np.asarray(jax.random.normal(jax.random.key(4), w.shape), np.float64)
   w64 = np.asarray(w, np.float64)
   dot = np.sum(w64 * v, axis=(0, 1), keepdims=True)
-  np.testing.assert_allclose(c.cotangent(w, jnp.asarray(v, jnp.float32)), v - dot * w64 / r**2,
-                             atol=1e-6)
+  np.testing.assert_allclose(c.cotangent(w, jnp.asarray(v, jnp.float32)), v - dot * w64 / r**2, atol=1e-6)
 
 
 # --------------------------------------------------------------------------------------
@@ -317,8 +317,7 @@ def _potential_grad(w):
 def test_symmetric_box_is_the_circle_bit_for_bit(method):
   r = 0.5
   w = jnp.linspace(-0.7, 0.6, 64)  # some start outside
-  make = lambda c: _transform(method, 0.05 if method == "od" else 0.2, c, 1e-2,  # noqa: E731
-                              jax.random.key(3))
+  make = lambda c: _transform(method, 0.05 if method == "od" else 0.2, c, 1e-2, jax.random.key(3))
   p_circle, s_circle = _run(make(cola.Circle(r)), w, 100, _potential_grad)
   p_box, s_box = _run(make(cola.Box(-r, r)), w, 100, _potential_grad)
   assert float(jnp.max(jnp.abs(p_circle - w))) > 0.3  # it moved
@@ -333,19 +332,16 @@ def test_shifted_box_is_the_shifted_circle(method):
   lower, upper = 0.3, 1.3
   center, r = 0.8, 0.5
   w = jnp.linspace(-0.7, 0.6, 64)
-  make = lambda c: _transform(method, 0.05 if method == "od" else 0.2, c, 1e-2,  # noqa: E731
-                              jax.random.key(4))
+  make = lambda c: _transform(method, 0.05 if method == "od" else 0.2, c, 1e-2, jax.random.key(4))
   p_circle, _ = _run(make(cola.Circle(r)), w, 100, _potential_grad)
-  p_box, state = _run(make(cola.Box(lower, upper)), w + center,
-                      100, lambda p: _potential_grad(p - center))
+  p_box, state = _run(make(cola.Box(lower, upper)), w + center, 100, lambda p: _potential_grad(p - center))
   np.testing.assert_allclose(p_box - center, p_circle, atol=1e-6)
   assert float(jnp.min(p_box)) >= lower and float(jnp.max(p_box)) <= upper
   assert float(cola.constraint_residuals(p_box, state)) <= 1e-6
 
 
 def _norm_implicit(r):
-  return cola.Implicit(equality=lambda w: jnp.sum(w * w, axis=0) / r**2 - 1, tolerance=1e-6,
-                       max_iterations=50)
+  return cola.Implicit(equality=lambda w: jnp.sum(w * w, axis=0) / r**2 - 1, tolerance=1e-6, max_iterations=50)
 
 
 UNIT_START = jnp.array([[0.3, -0.2], [0.5, 0.4], [-0.1, 0.6]])
@@ -361,7 +357,7 @@ def test_unit_norm_is_the_dense_implicit_constraint_ud():
   r = 0.8
   errors = []
   for h, steps in ((0.02, 100), (0.01, 200)):
-    make = lambda c: _transform("ud", h, c, 1e-3, jax.random.key(5))  # noqa: E731,B023
+    make = lambda c: _transform("ud", h, c, 1e-3, jax.random.key(5))
     p_unit, s_unit = _run(make(cola.UnitNorm(r)), UNIT_START, steps, _unit_grad)
     p_implicit, s_implicit = _run(make(_norm_implicit(r)), UNIT_START, steps, _unit_grad)
     assert bool(s_implicit.constraint_states.converged)
@@ -379,8 +375,7 @@ def test_unit_norm_is_the_dense_implicit_constraint_od():
   errors = []
   for h, steps in ((0.004, 250), (0.002, 500)):
     p_unit, _ = _run(_transform("od", h, cola.UnitNorm(r)), UNIT_START, steps, _unit_grad)
-    p_implicit, state = _run(_transform("od", h, _norm_implicit(r)), UNIT_START, steps,
-                             _unit_grad)
+    p_implicit, state = _run(_transform("od", h, _norm_implicit(r)), UNIT_START, steps, _unit_grad)
     assert bool(state.constraint_states.converged)
     errors.append(float(jnp.max(jnp.abs(p_unit - p_implicit))))
   print("\nmax |UnitNorm - Implicit|, od at h = 0.004, 0.002:", errors)
@@ -392,9 +387,11 @@ def test_unit_norm_is_the_dense_implicit_constraint_od():
 # Residuals after many noisy steps with real gradients
 
 
-CATALOG = {"layer0": {"w": cola.Box(-0.3, 0.5), "b": None},
-           "layer1": {"w": cola.NonNegative(), "b": cola.Box(0.0, 0.1)},
-           "layer2": {"w": cola.UnitNorm(0.8), "b": None}}
+CATALOG = {
+  "layer0": {"w": cola.Box(-0.3, 0.5), "b": None},
+  "layer1": {"w": cola.NonNegative(), "b": cola.Box(0.0, 0.1)},
+  "layer2": {"w": cola.UnitNorm(0.8), "b": None},
+}
 STEPS = 10_000
 
 
@@ -409,13 +406,14 @@ def test_constraints_hold_after_many_noisy_steps(method, h, mlp_problem):
     updates, s = tx.update(jax.grad(loss)(p, i), s, p)
     return (optax.apply_updates(p, updates), s), loss(p, i)
 
-  (new, state), losses = jax.jit(
-      lambda c: jax.lax.scan(step, c, jnp.arange(STEPS)))((params, tx.init(params)))
+  (new, state), losses = jax.jit(lambda c: jax.lax.scan(step, c, jnp.arange(STEPS)))((params, tx.init(params)))
   assert np.all(np.isfinite(np.asarray(losses)))
   assert float(losses[-500:].mean()) < 0.7 * float(losses[:20].mean())  # it trains
   residuals = cola.constraint_residuals(new, state)
-  print(f"\n{method}: loss {float(losses[:20].mean()):.3f} -> {float(losses[-500:].mean()):.3f}, "
-        f"residuals {jax.tree.map(float, residuals)}")
+  print(
+    f"\n{method}: loss {float(losses[:20].mean()):.3f} -> {float(losses[-500:].mean()):.3f}, "
+    f"residuals {jax.tree.map(float, residuals)}"
+  )
   assert max(float(r) for r in jax.tree.leaves(residuals)) <= 1e-5
   w0, w1, b1 = new["layer0"]["w"], new["layer1"]["w"], new["layer1"]["b"]
   assert float(w0.min()) >= -0.3 - 1e-7 and float(w0.max()) <= 0.5 + 1e-7
@@ -436,14 +434,19 @@ def test_constraints_hold_after_many_noisy_steps(method, h, mlp_problem):
 
 def test_zero_learning_rate_moves_nothing():
   params = cola.project_params(
-      {"box": jnp.linspace(-0.5, 1.2, 9), "nn": jnp.linspace(-0.2, 3.0, 9),
-       "un": jax.random.normal(jax.random.key(0), (4, 3))},
-      {"box": cola.Box(0.0, 1.0), "nn": cola.NonNegative(), "un": cola.UnitNorm(0.7)})
+    {
+      "box": jnp.linspace(-0.5, 1.2, 9),
+      "nn": jnp.linspace(-0.2, 3.0, 9),
+      "un": jax.random.normal(jax.random.key(0), (4, 3)),
+    },
+    {"box": cola.Box(0.0, 1.0), "nn": cola.NonNegative(), "un": cola.UnitNorm(0.7)},
+  )
   constraints = {"box": cola.Box(0.0, 1.0), "nn": cola.NonNegative(), "un": cola.UnitNorm(0.7)}
   zero = optax.constant_schedule(0.0)
-  for tx in (cola.cola_od(zero, constraints=constraints, temperature=0.1, key=jax.random.key(0)),
-             cola.cola_ud(zero, friction=1.0, constraints=constraints, temperature=0.1,
-                          key=jax.random.key(0))):
+  for tx in (
+    cola.cola_od(zero, constraints=constraints, temperature=0.1, key=jax.random.key(0)),
+    cola.cola_ud(zero, friction=1.0, constraints=constraints, temperature=0.1, key=jax.random.key(0)),
+  ):
     new, _ = _run(tx, params, 3, lambda p: jax.tree.map(jnp.ones_like, p))
     np.testing.assert_array_equal(new["nn"], params["nn"])
     for name in ("box", "un"):  # renormalisation may round, by an ulp at most
@@ -455,8 +458,7 @@ def test_low_precision_parameters_keep_their_dtype_and_the_constraint(dtype, mlp
   params, loss = mlp_problem
   low = jax.tree.map(lambda p: p.astype(dtype), params)
   tx = _transform("ud" if dtype == jnp.bfloat16 else "od", 0.05, CATALOG, 1e-5, jax.random.key(1))
-  new, state = _run(tx, low, 50, lambda p: jax.grad(loss)(
-      jax.tree.map(lambda x: x.astype(jnp.float32), p), 0))
+  new, state = _run(tx, low, 50, lambda p: jax.grad(loss)(jax.tree.map(lambda x: x.astype(jnp.float32), p), 0))
   assert all(x.dtype == dtype for x in jax.tree.leaves(new))
   residual = max(float(r) for r in jax.tree.leaves(cola.constraint_residuals(new, state)))
   assert residual <= 8 * float(jnp.finfo(dtype).eps), residual
@@ -504,8 +506,10 @@ def _samples(method, constraint, params, steps, h, tau, seed, grad_fn=jnp.zeros_
 # Box(l, u), zero gradient, r = 0.5, tau = 0.25: the circle's angle diffuses at
 # tau / r^2 = 1 per unit time; od t = 10, ud t = 20 (gamma = 1), as for the
 # circle in test_invariant_measure.py. Exact for every h.
-BOX_FREE = {"quick": dict(n=20_000, od=(0.01, 1_000), ud=(0.05, 400)),
-            "slow": dict(n=1_000_000, od=(0.01, 2_000), ud=(0.05, 800))}
+BOX_FREE = {
+  "quick": dict(n=20_000, od=(0.01, 1_000), ud=(0.05, 400)),
+  "slow": dict(n=1_000_000, od=(0.01, 2_000), ud=(0.05, 800)),
+}
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -515,8 +519,7 @@ def test_box_without_force_samples_the_arcsine_law_between_the_bounds(method, si
   center, r = 0.3, 0.5
   cfg = BOX_FREE[size]
   h, steps = cfg[method]
-  w, state = _samples(method, cola.Box(lower, upper), jnp.full((cfg["n"],), 0.7, jnp.float32),
-                      steps, h, 0.25, seed=31)
+  w, state = _samples(method, cola.Box(lower, upper), jnp.full((cfg["n"],), 0.7, jnp.float32), steps, h, 0.25, seed=31)
   assert w.min() >= np.float32(lower) and w.max() <= np.float32(upper)
   x = (w - center) / r
   print(f"\nBox({lower}, {upper}), zero gradient, {method} ({size}):")
@@ -534,8 +537,10 @@ def test_box_without_force_samples_the_arcsine_law_between_the_bounds(method, si
 
 # UnitNorm, zero gradient, r = 0.5, tau = 0.25: on S^{n-1} the slowest mode
 # decays at tau (n - 1) / r^2 = n - 1 per unit time; od t = 10, ud t = 20.
-UNIT_FREE = {"quick": dict(units=10_000, od=(0.01, 1_000), ud=(0.05, 400)),
-             "slow": dict(units=200_000, od=(0.01, 2_000), ud=(0.05, 800))}
+UNIT_FREE = {
+  "quick": dict(units=10_000, od=(0.01, 1_000), ud=(0.05, 400)),
+  "slow": dict(units=200_000, od=(0.01, 2_000), ud=(0.05, 800)),
+}
 
 
 def _beta_cdf(n):
@@ -569,8 +574,7 @@ def test_unit_norm_without_force_is_uniform_on_each_sphere(method, n, size):
   # Power: the law one dimension up (Sphere's slack sphere S^n) is rejected,
   # and so is a chain stopped early (t = 0.1 od, 0.25 ud), still near the pole.
   assert _ks(x[0], _beta_cdf(n + 1), "x0 vs the law on S^n (wrong)").pvalue < REJECT
-  early, _ = _samples(method, cola.UnitNorm(r), start, 10 if method == "od" else 5, h, 0.25,
-                      seed=40 + n)
+  early, _ = _samples(method, cola.UnitNorm(r), start, 10 if method == "od" else 5, h, 0.25, seed=40 + n)
   assert abs(_z(early[0] / r, 0.0)) > Z_REJECT
 
 
@@ -602,8 +606,10 @@ def _gibbs_on_half_line_cdf(k, c, tau):
 # w marginal relaxes within t ~ 5 from w = c; od t = 20, ud t = 30. Bias
 # (measured, n = 2e4; KS noise ~0.006): od h = 0.01: D = 0.008, h = 0.004:
 # 0.006; ud h = 0.05: 0.005, h = 0.02: 0.008. The wrong laws: D = 0.06-0.09.
-NON_NEGATIVE_FORCE = {"quick": dict(n=10_000, od=(0.01, 2_000), ud=(0.05, 600)),
-                      "slow": dict(n=400_000, od=(0.0025, 8_000), ud=(0.0125, 2_400))}
+NON_NEGATIVE_FORCE = {
+  "quick": dict(n=10_000, od=(0.01, 2_000), ud=(0.05, 600)),
+  "slow": dict(n=400_000, od=(0.0025, 8_000), ud=(0.0125, 2_400)),
+}
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -612,8 +618,16 @@ def test_non_negative_with_quadratic_potential_samples_the_derived_density(metho
   k, c, tau = 4.0, 0.5, 0.25
   cfg = NON_NEGATIVE_FORCE[size]
   h, steps = cfg[method]
-  w, state = _samples(method, cola.NonNegative(), jnp.full((cfg["n"],), c, jnp.float32), steps,
-                      h, tau, seed=53, grad_fn=lambda p: k * (p - c))
+  w, state = _samples(
+    method,
+    cola.NonNegative(),
+    jnp.full((cfg["n"],), c, jnp.float32),
+    steps,
+    h,
+    tau,
+    seed=53,
+    grad_fn=lambda p: k * (p - c),
+  )
   slack = np.asarray(state.constraint_states.slack, np.float64)
   print(f"\nNonNegative, V = k (w - c)^2 / 2, {method} ({size}): h = {h}, {steps} steps")
   assert w.min() >= 0.0
@@ -624,6 +638,5 @@ def test_non_negative_with_quadratic_potential_samples_the_derived_density(metho
   print(f"  fraction with s < 0: {np.mean(slack < 0):.3f}")
   assert np.mean(slack < 0) > 0.3
   # Power: the law without the arc-length factor, and exp(-V/tau) on w >= 0.
-  assert _ks(w, _non_negative_cdf(k, c, tau, arc_length=False),
-             "w without sqrt(1+4w) (wrong)").pvalue < REJECT
+  assert _ks(w, _non_negative_cdf(k, c, tau, arc_length=False), "w without sqrt(1+4w) (wrong)").pvalue < REJECT
   assert _ks(w, _gibbs_on_half_line_cdf(k, c, tau), "exp(-V/tau) on w >= 0 (wrong)").pvalue < REJECT

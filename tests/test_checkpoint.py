@@ -21,13 +21,13 @@ ocp = pytest.importorskip("orbax.checkpoint")
 STOP, TOTAL = 4, 9
 
 TRANSFORMS = {
-    "c_cola_ud": lambda: cola.c_cola_ud(0.3, friction=1.0, radius=0.3, temperature=1e-3, key=jax.random.key(1)),
-    "o_cola_ud": lambda: cola.o_cola_ud(0.1, friction=1.0, temperature=1e-4, key=jax.random.key(2)),
-    # A chain inside inject_hyperparams: nested states, a schedule, no key (tau = 0).
-    "chained_c_cola_od": lambda: optax.chain(
-        optax.clip_by_global_norm(1.0),
-        optax.inject_hyperparams(cola.c_cola_od)(
-            learning_rate=optax.exponential_decay(0.1, 3, 0.5), radius=0.3)),
+  "c_cola_ud": lambda: cola.c_cola_ud(0.3, friction=1.0, radius=0.3, temperature=1e-3, key=jax.random.key(1)),
+  "o_cola_ud": lambda: cola.o_cola_ud(0.1, friction=1.0, temperature=1e-4, key=jax.random.key(2)),
+  # A chain inside inject_hyperparams: nested states, a schedule, no key (tau = 0).
+  "chained_c_cola_od": lambda: optax.chain(
+    optax.clip_by_global_norm(1.0),
+    optax.inject_hyperparams(cola.c_cola_od)(learning_rate=optax.exponential_decay(0.1, 3, 0.5), radius=0.3),
+  ),
 }
 
 
@@ -102,9 +102,17 @@ def test_stopped_and_resumed_run_equals_the_uninterrupted_run(name, mlp_problem,
 
 def test_restored_state_keeps_every_part(mlp_problem, tmp_path):
   params, loss = mlp_problem
-  tx = cola.cola_ud(0.1, friction=1.0, temperature=1e-4, key=jax.random.key(7, impl="rbg"),
-                    constraints={"layer0": {"w": cola.Circle(0.3), "b": None},
-                                 "layer1": {"w": cola.Orthogonal(), "b": None}, "layer2": None})
+  tx = cola.cola_ud(
+    0.1,
+    friction=1.0,
+    temperature=1e-4,
+    key=jax.random.key(7, impl="rbg"),
+    constraints={
+      "layer0": {"w": cola.Circle(0.3), "b": None},
+      "layer1": {"w": cola.Orthogonal(), "b": None},
+      "layer2": None,
+    },
+  )
   params, state = train(make_step(tx, loss), params, tx.init(params), 0, 3)
   save(tmp_path / "state", state)
   restored = restore(tmp_path / "state", tx.init(params))

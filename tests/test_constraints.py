@@ -171,8 +171,8 @@ def test_faster_projections_follow_the_papers_trajectory(projection):
   shapes = {"tall": (20, 6), "square": (12, 12), "wide": (5, 9), "conv": (3, 3, 2, 8)}
   keys = jax.random.split(jax.random.key(0), len(shapes))
   params = cola.project_params(
-      {name: jax.random.normal(k, s) for (name, s), k in zip(shapes.items(), keys)},
-      cola.Orthogonal())
+    {name: jax.random.normal(k, s) for (name, s), k in zip(shapes.items(), keys)}, cola.Orthogonal()
+  )
   targets = jax.tree.map(lambda p: 0.3 * jnp.ones_like(p), params)
 
   def run(tx):
@@ -181,12 +181,20 @@ def test_faster_projections_follow_the_papers_trajectory(projection):
       grads = jax.tree.map(lambda w, t: w - t, p, targets)
       updates, state = tx.update(grads, state, p)
       return (optax.apply_updates(p, updates), state), None
+
     (p, state), _ = jax.lax.scan(step, (params, tx.init(params)), None, length=30)
     return p, state
 
   def make(projection):
-    return cola.o_cola_ud(0.2, friction=1.0, temperature=1e-3, key=jax.random.key(1),
-                          projection=projection, tolerance=1e-6, max_iterations=40)
+    return cola.o_cola_ud(
+      0.2,
+      friction=1.0,
+      temperature=1e-3,
+      key=jax.random.key(1),
+      projection=projection,
+      tolerance=1e-6,
+      max_iterations=40,
+    )
 
   reference, _ = jax.jit(lambda: run(make("quasi_newton")))()
   got, state = jax.jit(lambda: run(make(projection)))()

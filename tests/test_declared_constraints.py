@@ -81,10 +81,10 @@ class LinenMLP(nn.Module):
 
 
 LINEN_CONSTRAINTS = {
-    "Dense_0": {"kernel": ORTHOGONAL, "bias": None},
-    "Dense_1": {"kernel": CIRCLE, "bias": None},
-    "Dense_2": {"kernel": SPHERE, "bias": None},
-    "Dense_3": {"kernel": None, "bias": None},
+  "Dense_0": {"kernel": ORTHOGONAL, "bias": None},
+  "Dense_1": {"kernel": CIRCLE, "bias": None},
+  "Dense_2": {"kernel": SPHERE, "bias": None},
+  "Dense_3": {"kernel": None, "bias": None},
 }
 
 
@@ -114,11 +114,11 @@ def linen_runs():
   plain = nn.meta.unbox(LinenMLP(declare=False).init(jax.random.key(0), x)["params"])
   state, step = linen_state(declared, cola.constraints_from(declared))
   return {
-      "declared": declared,
-      "projected": cola.project_params(plain, LINEN_CONSTRAINTS),
-      "trained": train(state, step),
-      "step": step,
-      "explicit": train(*linen_state(cola.project_params(plain, LINEN_CONSTRAINTS), LINEN_CONSTRAINTS)),
+    "declared": declared,
+    "projected": cola.project_params(plain, LINEN_CONSTRAINTS),
+    "trained": train(state, step),
+    "step": step,
+    "explicit": train(*linen_state(cola.project_params(plain, LINEN_CONSTRAINTS), LINEN_CONSTRAINTS)),
   }
 
 
@@ -130,8 +130,7 @@ def test_linen_declared_model_starts_on_the_manifold_as_project_params_puts_it(l
   assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(unboxed, is_leaf=nn.meta.is_axis_metadata))
   assert_leaves_identical(unboxed, linen_runs["projected"])
   assert max_residual(unboxed, cola_tx(LINEN_CONSTRAINTS).init(unboxed)) < 1e-6
-  np.testing.assert_array_equal(LinenMLP().apply({"params": declared}, x),
-                                LinenMLP().apply({"params": unboxed}, x))
+  np.testing.assert_array_equal(LinenMLP().apply({"params": declared}, x), LinenMLP().apply({"params": unboxed}, x))
 
 
 def test_linen_declarations_compose_with_partitioning_in_both_orders(linen_runs):
@@ -183,8 +182,12 @@ def test_linen_declarations_refuse_a_scanned_axis():
   class Scanned(nn.Module):
     @nn.compact
     def __call__(self, x):
-      layer = nn.scan(lambda module, c, _: (nn.Dense(4, kernel_init=cola.with_constraint(LECUN, CIRCLE))(c), None),
-                      variable_axes={"params": 0}, split_rngs={"params": True}, length=2)
+      layer = nn.scan(
+        lambda module, c, _: (nn.Dense(4, kernel_init=cola.with_constraint(LECUN, CIRCLE))(c), None),
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        length=2,
+      )
       return layer(self, x, None)[0]
 
   with pytest.raises(ValueError, match=r"cannot gain an axis.*path_constraints"):
@@ -195,13 +198,13 @@ def test_linen_declarations_refuse_a_scanned_axis():
 
 
 class NnxMLP(nnx.Module):
-
   def __init__(self, rngs, declare=True):
     def init(constraint):
       return cola.with_constraint(LECUN, constraint) if declare else LECUN
 
-    self.layers = nnx.List([nnx.Linear(4, 6, kernel_init=init(ORTHOGONAL), rngs=rngs),
-                            nnx.Linear(6, 6, kernel_init=init(CIRCLE), rngs=rngs)])
+    self.layers = nnx.List(
+      [nnx.Linear(4, 6, kernel_init=init(ORTHOGONAL), rngs=rngs), nnx.Linear(6, 6, kernel_init=init(CIRCLE), rngs=rngs)]
+    )
     self.out = nnx.Linear(6, 2, kernel_init=init(SPHERE), rngs=rngs)
 
   def __call__(self, x):
@@ -210,10 +213,12 @@ class NnxMLP(nnx.Module):
     return self.out(x)
 
 
-NNX_CONSTRAINTS = nnx.State({
+NNX_CONSTRAINTS = nnx.State(
+  {
     "layers": {0: {"kernel": ORTHOGONAL, "bias": None}, 1: {"kernel": CIRCLE, "bias": None}},
     "out": {"kernel": SPHERE, "bias": None},
-})
+  }
+)
 
 
 def nnx_train(model, constraints):
@@ -251,16 +256,24 @@ def test_nnx_declared_model_starts_on_the_manifold_and_trains_as_the_explicit_ru
 def test_nnx_declarations_compose_with_nnx_partitioning():
   mesh = jax.make_mesh((1, 1), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
   with jax.set_mesh(mesh):
-    model = nnx.Linear(6, 4, rngs=nnx.Rngs(0), kernel_init=cola.with_constraint(
-        nnx.with_partitioning(LECUN, (None, "model")), ORTHOGONAL))
+    model = nnx.Linear(
+      6,
+      4,
+      rngs=nnx.Rngs(0),
+      kernel_init=cola.with_constraint(nnx.with_partitioning(LECUN, (None, "model")), ORTHOGONAL),
+    )
   assert model.kernel.out_sharding == (None, "model") and model.kernel.constraint == ORTHOGONAL
   assert cola.constraints_from(nnx.state(model, nnx.Param)) == nnx.State({"kernel": ORTHOGONAL, "bias": None})
   kernel = np.asarray(model.kernel[...], np.float64)
   np.testing.assert_allclose(kernel.T @ kernel, np.eye(4), atol=1e-6)
 
   with jax.set_mesh(mesh):
-    reversed_order = nnx.Linear(6, 4, rngs=nnx.Rngs(0), kernel_init=nnx.with_partitioning(
-        cola.with_constraint(LECUN, ORTHOGONAL), (None, "model")))
+    reversed_order = nnx.Linear(
+      6,
+      4,
+      rngs=nnx.Rngs(0),
+      kernel_init=nnx.with_partitioning(cola.with_constraint(LECUN, ORTHOGONAL), (None, "model")),
+    )
   with pytest.raises(ValueError, match=r"cola.with_constraint\(nnx.with_partitioning\(init"):
     cola.constraints_from(nnx.state(reversed_order, nnx.Param))
 
@@ -292,14 +305,12 @@ def test_orbax_round_trip_of_an_nnx_state_keeps_the_constraints(tmp_path):
 
 
 class Block(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     return nn.Dense(4, name="mix")(jnp.tanh(nn.Dense(4, name="proj")(x)))
 
 
 class Nested(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     for i in range(3):
@@ -308,15 +319,16 @@ class Nested(nn.Module):
 
 
 RULES = [
-    (r"block_0/proj/kernel$", CIRCLE),   # one layer of one block
-    (r"block_\d+/\w+/kernel$", ORTHOGONAL),  # the other block kernels
-    (r"head/bias", None),
+  (r"block_0/proj/kernel$", CIRCLE),  # one layer of one block
+  (r"block_\d+/\w+/kernel$", ORTHOGONAL),  # the other block kernels
+  (r"head/bias", None),
 ]
 
 
 def linen_expected_by_rules():
-  expected = {f"block_{i}": {name: {"kernel": ORTHOGONAL, "bias": SPHERE} for name in ("proj", "mix")}
-              for i in range(3)}
+  expected = {
+    f"block_{i}": {name: {"kernel": ORTHOGONAL, "bias": SPHERE} for name in ("proj", "mix")} for i in range(3)
+  }
   expected["block_0"]["proj"]["kernel"] = CIRCLE
   expected["head"] = {"kernel": SPHERE, "bias": None}
   return expected
@@ -338,8 +350,12 @@ def test_path_rules_select_linen_leaves_boxed_or_not():
 def test_path_rules_select_nnx_leaves_by_list_index():
   model = NnxMLP(nnx.Rngs(0), declare=False)
   rules = cola.path_constraints([(r"layers/1/kernel", CIRCLE), (r"kernel", ORTHOGONAL)])
-  expected = nnx.State({"layers": {0: {"kernel": ORTHOGONAL, "bias": None}, 1: {"kernel": CIRCLE, "bias": None}},
-                        "out": {"kernel": ORTHOGONAL, "bias": None}})
+  expected = nnx.State(
+    {
+      "layers": {0: {"kernel": ORTHOGONAL, "bias": None}, 1: {"kernel": CIRCLE, "bias": None}},
+      "out": {"kernel": ORTHOGONAL, "bias": None},
+    }
+  )
   assert rules(nnx.state(model, nnx.Param)) == rules(nnx.as_pure(nnx.state(model, nnx.Param))) == expected
   optimizer = nnx.Optimizer(model, cola_tx(rules), wrt=nnx.Param)
   states = optimizer.opt_state.constraint_states
@@ -351,19 +367,27 @@ def test_a_rule_that_selects_nothing_is_an_error_naming_it():
   x, _ = data()
   params = Nested().init(jax.random.key(0), x)["params"]
   typo = cola.path_constraints([(r"block_\d+/mix/kernel", ORTHOGONAL), (r"blok_0/proj/kernel", CIRCLE)])
-  with pytest.raises(ValueError, match=r"rule 1 \('blok_0/proj/kernel', Circle\(radius=0.3\)\) matches no "
-                                       r"parameter path.*block_0/mix/bias"):
+  with pytest.raises(
+    ValueError,
+    match=r"rule 1 \('blok_0/proj/kernel', Circle\(radius=0.3\)\) matches no "
+    r"parameter path.*block_0/mix/bias",
+  ):
     cola_tx(typo).init(params)
   shadowed = cola.path_constraints([(r"kernel", ORTHOGONAL), (r"block_0/proj/kernel", CIRCLE)])
-  with pytest.raises(ValueError, match=r"rule 1 .* selects no parameter: every path it matches "
-                                       r"\(block_0/proj/kernel\) is taken by an earlier rule"):
+  with pytest.raises(
+    ValueError,
+    match=r"rule 1 .* selects no parameter: every path it matches "
+    r"\(block_0/proj/kernel\) is taken by an earlier rule",
+  ):
     cola.project_params(params, shadowed)
 
 
 def test_path_rules_are_checked_at_construction():
   with pytest.raises(ValueError, match=r"rule 1 has an invalid regex 'block_\(0': missing \)"):
     cola.path_constraints([(r"kernel", ORTHOGONAL), (r"block_(0", CIRCLE)])
-  with pytest.raises(TypeError, match=r"the constraint of rule 0 \('kernel'\) must be a cola_jax Constraint or None, got 0.3"):
+  with pytest.raises(
+    TypeError, match=r"the constraint of rule 0 \('kernel'\) must be a cola_jax Constraint or None, got 0.3"
+  ):
     cola.path_constraints([(r"kernel", 0.3)])
   with pytest.raises(TypeError, match="default must be a cola_jax Constraint or None"):
     cola.path_constraints([(r"kernel", CIRCLE)], default="orthogonal")
@@ -381,8 +405,12 @@ def test_with_constraint_errors():
     cola.with_constraint(LECUN, "orthogonal")
   with pytest.raises(TypeError, match="initializer must be callable"):
     cola.with_constraint(ORTHOGONAL, LECUN)
-  with pytest.raises(ValueError, match=r"Orthogonal constraint on the leaf at <with_constraint initializer>, of shape \(6,\)"):
-    nn.Dense(6, bias_init=cola.with_constraint(nn.initializers.zeros, ORTHOGONAL)).init(jax.random.key(0), jnp.ones((1, 4)))
+  with pytest.raises(
+    ValueError, match=r"Orthogonal constraint on the leaf at <with_constraint initializer>, of shape \(6,\)"
+  ):
+    nn.Dense(6, bias_init=cola.with_constraint(nn.initializers.zeros, ORTHOGONAL)).init(
+      jax.random.key(0), jnp.ones((1, 4))
+    )
   with pytest.raises(ValueError, match=r"already declares the constraint Circle\(radius=0.3\)"):
     cola.with_constraint(cola.with_constraint(LECUN, CIRCLE), ORTHOGONAL)(jax.random.key(0), (4, 6))
   x, _ = data()
@@ -396,5 +424,7 @@ def test_importing_cola_jax_does_not_import_flax():
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   code = "import sys, cola_jax; assert 'flax' not in sys.modules, sorted(m for m in sys.modules if 'flax' in m)"
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
-  result = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=120)
+  result = subprocess.run(
+    [sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=120
+  )
   assert result.returncode == 0, result.stderr

@@ -32,16 +32,16 @@ ORTHONORMAL = np.linalg.qr(np.random.default_rng(0).normal(size=(6, 4)))[0].asty
 
 # name -> (constraint, a starting parameter on its manifold)
 CONSTRAINTS = {
-    "circle": (cola.Circle(0.5), 0.2 * ORTHONORMAL),
-    "sphere": (cola.Sphere(1.5), 0.5 * ORTHONORMAL),
-    "orthogonal": (cola.Orthogonal(), ORTHONORMAL),
-    "implicit": (cola.Implicit(equality=_unit_norm), ORTHONORMAL),
+  "circle": (cola.Circle(0.5), 0.2 * ORTHONORMAL),
+  "sphere": (cola.Sphere(1.5), 0.5 * ORTHONORMAL),
+  "orthogonal": (cola.Orthogonal(), ORTHONORMAL),
+  "implicit": (cola.Implicit(equality=_unit_norm), ORTHONORMAL),
 }
 # The other solvers of the same constraints.
 SOLVERS = {
-    "orthogonal-newton": (cola.Orthogonal(projection="newton"), ORTHONORMAL),
-    "orthogonal-square_root": (cola.Orthogonal(projection="square_root"), ORTHONORMAL),
-    "implicit-quasi_newton": (cola.Implicit(equality=_unit_norm, quasi_newton=True), ORTHONORMAL),
+  "orthogonal-newton": (cola.Orthogonal(projection="newton"), ORTHONORMAL),
+  "orthogonal-square_root": (cola.Orthogonal(projection="square_root"), ORTHONORMAL),
+  "implicit-quasi_newton": (cola.Implicit(equality=_unit_norm, quasi_newton=True), ORTHONORMAL),
 }
 FLAGGED = ("orthogonal", "implicit")  # constraints whose state says whether a step converged
 
@@ -93,6 +93,14 @@ def test_sincos_is_exact_for_every_finite_float32_angle(fn):
   assert np.max(np.abs(sin * sin + cos * cos - 1)) <= 2.5e-7
   normal = (np.abs(x) >= np.finfo(np.float32).tiny) & (np.abs(x) < 1e-3)  # relative accuracy
   np.testing.assert_allclose(sin[normal], np.sin(x64[normal]), rtol=1.2e-7)
+
+
+def test_sincos_fast_is_a_rotation_for_every_finite_float32_angle():
+  x = np.concatenate([_all_exponents(100_000), np.float32([8192.0, 1e20, 3.4e38, F32_MAX])])
+  sin, cos = (np.asarray(v, np.float64) for v in jax.jit(_numerics.sincos_fast)(x))
+  assert np.max(np.abs(sin * sin + cos * cos - 1)) <= 2.5e-7
+  sin, cos = jax.jit(_numerics.sincos_fast)(np.float32([np.inf, -np.inf, np.nan]))
+  assert np.all(np.isnan(sin)) and np.all(np.isnan(cos))
 
 
 def test_sincos_of_inf_and_nan_is_nan():
@@ -155,8 +163,9 @@ def test_non_finite_orthogonal_input_returns_nan_and_flagged():
   # An SVD of a non-finite matrix never returns on CPU: run in a subprocess
   # with a timeout, so that a regression fails instead of hanging the suite.
   env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
-  done = subprocess.run([sys.executable, "-c", _HANG_PRONE], capture_output=True, text=True,
-                        timeout=600, env=env, check=False)
+  done = subprocess.run(
+    [sys.executable, "-c", _HANG_PRONE], capture_output=True, text=True, timeout=600, env=env, check=False
+  )
   assert done.returncode == 0, done.stderr
   results = json.loads(done.stdout.strip().splitlines()[-1])
   assert len(results) == 3 * 2 * 3 + 1
@@ -166,8 +175,7 @@ def test_non_finite_orthogonal_input_returns_nan_and_flagged():
 
 @pytest.mark.parametrize("name", ["circle", "sphere", "implicit"])
 @pytest.mark.parametrize("method", ["od", "ud"])
-@pytest.mark.parametrize("where, value", [("grad", np.inf), ("grad", np.nan),
-                                          ("param", np.inf), ("param", np.nan)])
+@pytest.mark.parametrize("where, value", [("grad", np.inf), ("grad", np.nan), ("param", np.inf), ("param", np.nan)])
 def test_non_finite_input_shows_or_is_flagged(name, method, where, value):
   constraint, param = CONSTRAINTS[name]
   grad = np.full_like(param, 0.1)
@@ -265,17 +273,20 @@ def test_underdamped_large_angles_keep_the_radius(name, size):
   assert float(state.constraint_states["w"].residual(new)) <= 1e-6
 
 
-def test_circle_a_step_turns_by_the_exactly_reduced_angle():
+def test_circle_a_step_turns_by_the_exact_angle_below_2_to_13_and_keeps_the_radius_above():
   r, h = 0.5, 1.0
   c = cola.Circle(r)
-  theta = jnp.zeros(5, jnp.float32)  # the point (0, r): angle pi/2
+  theta = jnp.zeros(6, jnp.float32)  # the point (0, r): angle pi/2
   point = c.point(theta, c.init(theta))
-  v = jnp.float32([1e5, 3e9, -7e19, 1e30, 1.7e38])
+  v = jnp.float32([0.3, -2.0, 101.7, -1234.5, 4095.9, -4095.0])  # angles up to 8191.8 rad
   (new_theta, new_xi), _ = jax.jit(lambda p, v: c.a_step(p, v, h))(point, v)
   angle = np.asarray(v * np.float32(h / r), np.float64)  # the float32 angle, reduced in float64
-  assert np.all(np.isfinite(angle))
   np.testing.assert_allclose(new_theta, r * np.sin(angle), atol=2e-7)
   np.testing.assert_allclose(new_xi, r * np.cos(angle), atol=2e-7)
+  big = jnp.float32([1e5, 3e9, -7e19, 1e30, 1.7e38])
+  (new_theta, new_xi), _ = jax.jit(lambda p, v: c.a_step(p, v, h))((point[0][:5], point[1][:5]), big)
+  radius = np.hypot(np.asarray(new_theta, np.float64), np.asarray(new_xi, np.float64))
+  np.testing.assert_allclose(radius, r, rtol=3e-7)
 
 
 # --------------------------------------------------------------------------------------
@@ -291,8 +302,7 @@ def test_zero_step_size_moves_nothing(name, method):
   if method == "od":
     tx = cola.cola_od(schedule, constraints={"w": constraint})
   else:
-    tx = cola.cola_ud(schedule, friction=1.0, constraints={"w": constraint},
-                      splitting=method.split("-")[1])
+    tx = cola.cola_ud(schedule, friction=1.0, constraints={"w": constraint}, splitting=method.split("-")[1])
   params = {"w": jnp.asarray(param)}
   state = tx.init(params)
   grads = {"w": jnp.full_like(params["w"], 0.3)}

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 
+
 @pytest.fixture(scope="module")
 def fm(load_benchmark):
   return load_benchmark("fashion_mnist")
@@ -31,8 +32,23 @@ def test_json_schema(fm, smoke_run):
   out, returned = smoke_run
   data = json.loads((out / "fashion_mnist.json").read_text())
   assert data == json.loads(json.dumps(returned))
-  for key in ("schema_version", "status", "config", "data", "methods", "seeds", "results", "summary",
-              "published", "command", "argv", "date", "machine", "versions", "wall_time_s"):
+  for key in (
+    "schema_version",
+    "status",
+    "config",
+    "data",
+    "methods",
+    "seeds",
+    "results",
+    "summary",
+    "published",
+    "command",
+    "argv",
+    "date",
+    "machine",
+    "versions",
+    "wall_time_s",
+  ):
     assert key in data, key
   assert data["status"] == "complete"
   assert data["argv"][0] == "--smoke"
@@ -48,8 +64,7 @@ def test_json_schema(fm, smoke_run):
   n_evals = epochs // data["config"]["eval_every"]
 
   for method, entry in data["results"].items():
-    for key in ("test_accuracy", "best_test_accuracy", "train_accuracy", "test_loss", "min_test_loss",
-                "train_loss"):
+    for key in ("test_accuracy", "best_test_accuracy", "train_accuracy", "test_loss", "min_test_loss", "train_loss"):
       values = entry[key]
       assert isinstance(values, list) and len(values) == n_seeds, (method, key)
       assert all(isinstance(v, float) and math.isfinite(v) for v in values)
@@ -101,7 +116,7 @@ def test_weight_decay_is_pytorch_sgd(fm):
   w = {"a": rng.normal(size=(3, 4)).astype(np.float32), "b": rng.normal(size=4).astype(np.float32)}
   state = tx.init(jax.tree.map(jnp.asarray, w))
   params, ref, buf = jax.tree.map(jnp.asarray, w), jax.tree.map(np.float64, w), None
-  for step in range(5):
+  for _step in range(5):
     g = {k: rng.normal(size=v.shape) for k, v in w.items()}
     d = {k: g[k] + 1e-4 * ref[k] for k in ref}
     buf = d if buf is None else {k: 0.9 * buf[k] + d[k] for k in d}

@@ -38,10 +38,19 @@ def load_worker():
 
 def worker(directory, cache, *args):
   repo = str(WORKER.parents[1])
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]),
-         "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-  return subprocess.Popen([sys.executable, str(WORKER), str(directory), *args], env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  env = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]),
+    "JAX_COMPILATION_CACHE_DIR": str(cache),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+  }
+  return subprocess.Popen(
+    [sys.executable, str(WORKER), str(directory), *args],
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
 
 
 def assert_trees_identical(a, b):

@@ -9,13 +9,13 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
 
-import cola_jax as cola  # noqa: E402
+import cola_jax as cola
 
 flax = pytest.importorskip("flax")
 from flax import linen as nn  # noqa: E402
@@ -65,7 +65,6 @@ def tall_gram_defect(kernel):
 
 
 class LinenCNN(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     x = jnp.tanh(nn.Conv(features=4, kernel_size=(3, 3), name="conv")(x))
@@ -73,8 +72,8 @@ class LinenCNN(nn.Module):
 
 
 LINEN_CONSTRAINTS = {
-    "conv": {"kernel": cola.Orthogonal(), "bias": None},
-    "dense": {"kernel": cola.Circle(RADIUS), "bias": None},
+  "conv": {"kernel": cola.Orthogonal(), "bias": None},
+  "dense": {"kernel": cola.Circle(RADIUS), "bias": None},
 }
 
 
@@ -101,8 +100,9 @@ def test_project_params_starts_the_linen_model_on_the_manifold():
 @pytest.mark.parametrize("spec", ["prefix", "callable"])
 def test_linen_train_state_trains_on_the_manifold(spec):
   def by_layer_name(params):  # the same assignment, derived from the parameter names
-    return {name: {"kernel": cola.Orthogonal() if name == "conv" else cola.Circle(RADIUS), "bias": None}
-            for name in params}
+    return {
+      name: {"kernel": cola.Orthogonal() if name == "conv" else cola.Circle(RADIUS), "bias": None} for name in params
+    }
 
   state, loss_fn = linen_setup(LINEN_CONSTRAINTS if spec == "prefix" else by_layer_name)
 
@@ -152,7 +152,6 @@ def test_linen_apply_gradients_is_update_then_apply_updates():
 
 
 class NnxCNN(nnx.Module):
-
   def __init__(self, rngs):
     self.conv = nnx.Conv(1, 4, kernel_size=(3, 3), rngs=rngs)
     self.dense = nnx.Linear(8 * 8 * 4, 3, rngs=rngs)
@@ -165,10 +164,12 @@ class NnxCNN(nnx.Module):
 # nnx.Optimizer initialises the transform on an nnx.State of Param variables
 # and updates it with an nnx.State of plain arrays: a dict prefix does not match
 # either (State is its own pytree node), an nnx.State prefix matches both.
-NNX_CONSTRAINTS = nnx.State({
+NNX_CONSTRAINTS = nnx.State(
+  {
     "conv": {"kernel": cola.Orthogonal(), "bias": None},
     "dense": {"kernel": cola.Circle(RADIUS), "bias": None},
-})
+  }
+)
 
 
 def nnx_constraints_by_path(params):
@@ -254,7 +255,8 @@ def test_nnx_optimizer_update_is_update_then_apply_updates():
 
 def test_a_dict_prefix_does_not_match_nnx_state():
   model = NnxCNN(nnx.Rngs(1))
-  tx = cola_tx({"conv": {"kernel": cola.Orthogonal(), "bias": None},
-                "dense": {"kernel": cola.Circle(RADIUS), "bias": None}})
+  tx = cola_tx(
+    {"conv": {"kernel": cola.Orthogonal(), "bias": None}, "dense": {"kernel": cola.Circle(RADIUS), "bias": None}}
+  )
   with pytest.raises(ValueError, match="pytree prefix of the parameters"):
     nnx.Optimizer(model, tx, wrt=nnx.Param)

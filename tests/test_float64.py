@@ -31,8 +31,9 @@ def problem():
     key, k = jax.random.split(key)
     bound = 1 / np.sqrt(fan_in)
     params[f"layer{i}"] = {
-        "w": jax.random.uniform(k, (fan_in, fan_out), jnp.float64, -bound, bound),
-        "b": jnp.zeros(fan_out, jnp.float64)}
+      "w": jax.random.uniform(k, (fan_in, fan_out), jnp.float64, -bound, bound),
+      "b": jnp.zeros(fan_out, jnp.float64),
+    }
   kx, kw = jax.random.split(key)
   x = jax.random.normal(kx, (32, sizes[0]), jnp.float64)
   y = jnp.sin(x @ jax.random.normal(kw, (sizes[0], sizes[-1]), jnp.float64))
@@ -99,8 +100,7 @@ def test_orthogonal_constraint_holds_to_float64_precision(x64, method):
   if method == "o_cola_od":
     tx = cola.o_cola_od(0.05, temperature=1e-4, key=jax.random.key(1), tolerance=1e-13, max_iterations=50)
   else:
-    tx = cola.o_cola_ud(0.1, friction=1.0, temperature=1e-4, key=jax.random.key(1),
-                        tolerance=1e-13, max_iterations=50)
+    tx = cola.o_cola_ud(0.1, friction=1.0, temperature=1e-4, key=jax.random.key(1), tolerance=1e-13, max_iterations=50)
   trained, state, updates = train(tx, params, loss)
   assert_float64(trained)
   assert_float64(updates)

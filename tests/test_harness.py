@@ -54,16 +54,21 @@ def test_member_equals_its_run_alone():
   model = models.MLP((8, 1))
 
   def run(seeds):
-    r = train.Run(init_params=lambda key, member: model.init(key, dataset.x_train[:1])["params"],
-                  apply_fn=lambda p, x: model.apply({"params": p}, x),
-                  make_tx=lambda member, key: optax.sgd(0.1, momentum=0.9), objective=train.BINARY,
-                  data=dataset, members={"seed": np.array(seeds)}, batch_size=16, eval_every=2)
+    r = train.Run(
+      init_params=lambda key, member: model.init(key, dataset.x_train[:1])["params"],
+      apply_fn=lambda p, x: model.apply({"params": p}, x),
+      make_tx=lambda member, key: optax.sgd(0.1, momentum=0.9),
+      objective=train.BINARY,
+      data=dataset,
+      members={"seed": np.array(seeds)},
+      batch_size=16,
+      eval_every=2,
+    )
     train.train({"run": r}, 4)
     return r
 
   both, alone = run([0, 1]), run([1])
   assert both.steps_per_epoch == 5 and both.last_batch_size == 6
   np.testing.assert_allclose(both.rows([1])["train_loss"], alone.rows([0])["train_loss"], rtol=1e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a[1], b[0], rtol=1e-5, atol=1e-6),
-               both.params, alone.params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a[1], b[0], rtol=1e-5, atol=1e-6), both.params, alone.params)
   assert both.history["epoch"] == [2, 4]

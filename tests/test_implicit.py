@@ -40,14 +40,14 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import pytest  # noqa: E402
-from scipy import stats  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from scipy import stats
 
-import cola_jax as cola  # noqa: E402
+import cola_jax as cola
 
 ACCEPT = 1e-3
 Z_ACCEPT = 4.5
@@ -98,27 +98,36 @@ def test_construction_errors():
   for bad in (0, 2.5):
     with pytest.raises(ValueError, match="max_iterations must be a positive integer"):
       cola.Implicit(equality=jnp.sum, max_iterations=bad)
-  norm = lambda w: jnp.sum(w**2) - 1  # noqa: E731
+  norm = lambda w: jnp.sum(w**2) - 1
   assert cola.Implicit(equality=norm) == cola.Implicit(equality=norm)
   assert hash(cola.Implicit(equality=norm)) == hash(cola.Implicit(equality=norm))
 
 
-@pytest.mark.parametrize("constraint, message", [
-    (cola.Implicit(equality=lambda w: (w > 0).astype(jnp.int32)),
-     r"\['layer'\]\['w'\].*equality\(x\) returns dtype int32"),
-    (cola.Implicit(inequality=lambda w: w @ jnp.ones(5)),
-     r"\['layer'\]\['w'\].*inequality\(x\) fails on an array of that shape"),
-    (cola.Implicit(equality=lambda w: (w.sum(), w.mean())),
-     r"\['layer'\]\['w'\].*must return one array"),
-    (cola.Implicit(equality=lambda w: w.ravel()[:0]),
-     r"\['layer'\]\['w'\].*no components"),
-    (cola.Implicit(equality=lambda w: jnp.concatenate([w.ravel(), w.ravel()])),
-     r"\['layer'\]\['w'\].*24 constraint components for 12 coordinates"),
-])
+@pytest.mark.parametrize(
+  "constraint, message",
+  [
+    (
+      cola.Implicit(equality=lambda w: (w > 0).astype(jnp.int32)),
+      r"\['layer'\]\['w'\].*equality\(x\) returns dtype int32",
+    ),
+    (
+      cola.Implicit(inequality=lambda w: w @ jnp.ones(5)),
+      r"\['layer'\]\['w'\].*inequality\(x\) fails on an array of that shape",
+    ),
+    (cola.Implicit(equality=lambda w: (w.sum(), w.mean())), r"\['layer'\]\['w'\].*must return one array"),
+    (cola.Implicit(equality=lambda w: w.ravel()[:0]), r"\['layer'\]\['w'\].*no components"),
+    (
+      cola.Implicit(equality=lambda w: jnp.concatenate([w.ravel(), w.ravel()])),
+      r"\['layer'\]\['w'\].*24 constraint components for 12 coordinates",
+    ),
+  ],
+)
 def test_bad_functions_name_the_leaf(constraint, message):
   params = {"layer": {"w": jnp.ones((3, 4)), "b": jnp.zeros(4)}}
-  for tx in (cola.cola_od(0.1, constraints={"layer": {"w": constraint, "b": None}}),
-             cola.cola_ud(0.1, friction=1.0, constraints={"layer": {"w": constraint, "b": None}})):
+  for tx in (
+    cola.cola_od(0.1, constraints={"layer": {"w": constraint, "b": None}}),
+    cola.cola_ud(0.1, friction=1.0, constraints={"layer": {"w": constraint, "b": None}}),
+  ):
     with pytest.raises(ValueError, match=message):
       tx.init(params)
 
@@ -135,29 +144,36 @@ def _cotangents(theta, w, q, v_circle, v_sphere, v_orthogonal):
   implicit, circle = circle_implicit(r), cola.Circle(r)
   th, xi = circle.point(theta, circle.init(theta))
   coordinate = circle.cotangent((th, xi), (v_circle[:9], v_circle[9:]))
-  out["circle"] = (implicit.cotangent(implicit.point(theta, implicit.init(theta)), v_circle),
-                   jnp.concatenate([coordinate * xi / r, -coordinate * th / r]))
+  out["circle"] = (
+    implicit.cotangent(implicit.point(theta, implicit.init(theta)), v_circle),
+    jnp.concatenate([coordinate * xi / r, -coordinate * th / r]),
+  )
   implicit, sphere = sphere_implicit(r), cola.Sphere(r)
   point = sphere.point(w, sphere.init(w))
   u = sphere.cotangent(point, (v_sphere[:15].reshape(3, 5), v_sphere[15:].reshape(1, 5)))
   p_w, p_xi = sphere.momentum_vector(point, u)
-  out["sphere"] = (implicit.cotangent(implicit.point(w, implicit.init(w)), v_sphere),
-                   jnp.concatenate([p_w.ravel(), p_xi.ravel()]))
+  out["sphere"] = (
+    implicit.cotangent(implicit.point(w, implicit.init(w)), v_sphere),
+    jnp.concatenate([p_w.ravel(), p_xi.ravel()]),
+  )
   implicit, orthogonal = orthogonal_implicit(), cola.Orthogonal()
   out["orthogonal"] = (
-      implicit.cotangent(implicit.point(q, implicit.init(q)), v_orthogonal.ravel()),
-      orthogonal.cotangent(orthogonal.point(q, orthogonal.init(q)), v_orthogonal).ravel())
+    implicit.cotangent(implicit.point(q, implicit.init(q)), v_orthogonal.ravel()),
+    orthogonal.cotangent(orthogonal.point(q, orthogonal.init(q)), v_orthogonal).ravel(),
+  )
   return out
 
 
 def test_cotangent_agrees_with_circle_sphere_and_orthogonal():
   keys = jax.random.split(jax.random.key(0), 6)
   out = _cotangents(
-      jax.random.uniform(keys[0], (9,), minval=-0.7, maxval=0.7),
-      0.25 * jax.random.normal(keys[1], (3, 5)),  # 5 units of 3 weights, inside the ball
-      random_orthonormal(keys[2], (8, 3)),
-      jax.random.normal(keys[3], (18,)), jax.random.normal(keys[4], (20,)),
-      jax.random.normal(keys[5], (8, 3)))
+    jax.random.uniform(keys[0], (9,), minval=-0.7, maxval=0.7),
+    0.25 * jax.random.normal(keys[1], (3, 5)),  # 5 units of 3 weights, inside the ball
+    random_orthonormal(keys[2], (8, 3)),
+    jax.random.normal(keys[3], (18,)),
+    jax.random.normal(keys[4], (20,)),
+    jax.random.normal(keys[5], (8, 3)),
+  )
   errors = {name: float(jnp.max(jnp.abs(got - expected))) for name, (got, expected) in out.items()}
   print("\nmax |Pi_implicit v - Pi_closed v|:", errors)
   assert max(errors.values()) <= 2e-6
@@ -197,9 +213,9 @@ def test_circle_projection_solves_shake_exactly():
   implicit = circle_implicit(r)
   theta = jax.random.uniform(jax.random.key(8), (64,), minval=-r, maxval=r)
   step = 0.05 * jax.random.normal(jax.random.key(9), (128,))
-  point, got = jax.jit(lambda theta, step: (
-      lambda point: (point, implicit.project(point, step)))(start_point(implicit, theta)))(
-          theta, step)
+  point, got = jax.jit(
+    lambda theta, step: (lambda point: (point, implicit.project(point, step)))(start_point(implicit, theta))
+  )(theta, step)
   q_n = flat(point.x, point.slack).reshape(2, 64)
   q_bar = q_n + np.asarray(step, np.float64).reshape(2, 64)
   b = np.sum(q_bar * q_n, axis=0)
@@ -257,8 +273,9 @@ def test_rattle_agrees_with_orthogonal():
     expected, expected_p = orthogonal.a_step(point, momentum, 0.1)
     return new.x, p.reshape(q.shape), expected.matrix, expected_p
 
-  q_new, p, expected_q, expected_p = both(random_orthonormal(jax.random.key(10), (8, 3)),
-                                          jax.random.normal(jax.random.key(11), (8, 3)))
+  q_new, p, expected_q, expected_p = both(
+    random_orthonormal(jax.random.key(10), (8, 3)), jax.random.normal(jax.random.key(11), (8, 3))
+  )
   np.testing.assert_allclose(q_new, expected_q, atol=2e-6)
   np.testing.assert_allclose(p, expected_p, atol=2e-5)
 
@@ -266,13 +283,11 @@ def test_rattle_agrees_with_orthogonal():
 def test_off_manifold_start_matches_the_closed_forms():
   r = 0.5
   theta = jnp.linspace(-0.8, 0.7, 7)
-  np.testing.assert_allclose(circle_implicit(r).nearest(theta), cola.Circle(r).nearest(theta),
-                             atol=1e-6)
+  np.testing.assert_allclose(circle_implicit(r).nearest(theta), cola.Circle(r).nearest(theta), atol=1e-6)
   w = jax.random.normal(jax.random.key(12), (3, 5))
   np.testing.assert_allclose(sphere_implicit(r).nearest(w), cola.Sphere(r).nearest(w), atol=1e-6)
   q = 0.3 * jax.random.normal(jax.random.key(13), (8, 3))  # Q (I + Lambda) holds the polar factor
-  np.testing.assert_allclose(orthogonal_implicit().nearest(q), cola.Orthogonal().nearest(q),
-                             atol=2e-6)
+  np.testing.assert_allclose(orthogonal_implicit().nearest(q), cola.Orthogonal().nearest(q), atol=2e-6)
 
 
 def _potential_grad(w):
@@ -288,16 +303,14 @@ def _run(tx, params, steps):
   return jax.jit(lambda p: jax.lax.scan(body, (p, tx.init(p)), None, length=steps)[0])(params)
 
 
-CLOSED_FORMS = {"circle": cola.Circle(0.5), "sphere": cola.Sphere(0.5),
-                "orthogonal": cola.Orthogonal()}
-IMPLICIT_FORMS = {"circle": circle_implicit(0.5), "sphere": sphere_implicit(0.5),
-                  "orthogonal": orthogonal_implicit()}
+CLOSED_FORMS = {"circle": cola.Circle(0.5), "sphere": cola.Sphere(0.5), "orthogonal": cola.Orthogonal()}
+IMPLICIT_FORMS = {"circle": circle_implicit(0.5), "sphere": sphere_implicit(0.5), "orthogonal": orthogonal_implicit()}
 START = {
-    "circle": jnp.linspace(-0.7, 0.45, 7),  # one weight starts outside [-r, r]
-    # Inside the ball: a slack that starts at exactly 0 (Implicit) or at a
-    # rounding error (Sphere) stays on the unstable equator, or leaves it, without noise.
-    "sphere": jnp.linspace(-0.4, 0.35, 12).reshape(3, 4),
-    "orthogonal": 0.5 * jax.random.normal(jax.random.key(14), (6, 3)),  # not orthonormal
+  "circle": jnp.linspace(-0.7, 0.45, 7),  # one weight starts outside [-r, r]
+  # Inside the ball: a slack that starts at exactly 0 (Implicit) or at a
+  # rounding error (Sphere) stays on the unstable equator, or leaves it, without noise.
+  "sphere": jnp.linspace(-0.4, 0.35, 12).reshape(3, 4),
+  "orthogonal": 0.5 * jax.random.normal(jax.random.key(14), (6, 3)),  # not orthonormal
 }
 
 
@@ -305,13 +318,12 @@ START = {
 # projection and RATTLE step in both; for the circle and sphere SHAKE's oblique
 # projection differs from the radial one at O(h^2) per step, RATTLE from the
 # exact rotation at O(h^3) per step.
-@pytest.mark.parametrize("method, h, steps, atol", [("od", 0.01, 200, 5e-6),
-                                                     ("ud", 0.02, 100, 1e-4)])
+@pytest.mark.parametrize("method, h, steps, atol", [("od", 0.01, 200, 5e-6), ("ud", 0.02, 100, 1e-4)])
 def test_trajectories_agree_with_the_closed_forms(method, h, steps, atol):
   if method == "od":
-    make = lambda c: cola.cola_od(h, constraints=c)  # noqa: E731
+    make = lambda c: cola.cola_od(h, constraints=c)
   else:
-    make = lambda c: cola.cola_ud(h, friction=1.0, constraints=c)  # noqa: E731
+    make = lambda c: cola.cola_ud(h, friction=1.0, constraints=c)
   p_closed, _ = _run(make(CLOSED_FORMS), START, steps)
   p_implicit, state = _run(make(IMPLICIT_FORMS), START, steps)
   residuals = cola.constraint_residuals(p_implicit, state)
@@ -346,13 +358,10 @@ ZERO_MEAN = zero_mean_fixed_norm(NORM)
 # The MLP 5-16-16-3 of conftest.py: a wide (5, 16) and a tall (16, 3) weight
 # constrained, the middle layer and the biases free.
 LAYERS = ("layer0", "layer2")
-ZERO_MEAN_CONSTRAINTS = {"layer0": {"w": ZERO_MEAN, "b": None}, "layer1": None,
-                         "layer2": {"w": ZERO_MEAN, "b": None}}
+ZERO_MEAN_CONSTRAINTS = {"layer0": {"w": ZERO_MEAN, "b": None}, "layer1": None, "layer2": {"w": ZERO_MEAN, "b": None}}
 LONG_METHODS = {
-    "od": cola.cola_od(0.05, constraints=ZERO_MEAN_CONSTRAINTS, temperature=1e-4,
-                       key=jax.random.key(0)),
-    "ud": cola.cola_ud(0.3, friction=1.0, constraints=ZERO_MEAN_CONSTRAINTS, temperature=1e-4,
-                       key=jax.random.key(0)),
+  "od": cola.cola_od(0.05, constraints=ZERO_MEAN_CONSTRAINTS, temperature=1e-4, key=jax.random.key(0)),
+  "ud": cola.cola_ud(0.3, friction=1.0, constraints=ZERO_MEAN_CONSTRAINTS, temperature=1e-4, key=jax.random.key(0)),
 }
 
 
@@ -368,8 +377,9 @@ def test_constraint_holds_after_many_noisy_steps(method, mlp_problem):
     converged = jnp.all(jnp.stack([s.constraint_states[k]["w"].converged for k in LAYERS]))
     return (optax.apply_updates(p, updates), s), (loss(p, i), residual, converged)
 
-  (params, state), (losses, residuals, converged) = jax.jit(
-      lambda c: jax.lax.scan(step, c, jnp.arange(1000)))((params, tx.init(params)))
+  (params, state), (losses, residuals, converged) = jax.jit(lambda c: jax.lax.scan(step, c, jnp.arange(1000)))(
+    (params, tx.init(params))
+  )
   assert np.all(np.isfinite(np.asarray(losses)))
   assert float(losses[-100:].mean()) < float(losses[:20].mean())  # it trains
   assert bool(jnp.all(converged))
@@ -382,12 +392,14 @@ def test_constraint_holds_after_many_noisy_steps(method, mlp_problem):
     if method == "ud":  # the momentum is a cotangent vector: Pi p = p
       p = state.momentum[layer]["w"]
       assert p.shape == (w.size,)
-      tangency = jax.jit(lambda w, aux, p: jnp.max(jnp.abs(
-          ZERO_MEAN.cotangent(ZERO_MEAN.point(w, aux), p) - p)))(
-              params[layer]["w"], state.constraint_states[layer]["w"], p)
+      tangency = jax.jit(lambda w, aux, p: jnp.max(jnp.abs(ZERO_MEAN.cotangent(ZERO_MEAN.point(w, aux), p) - p)))(
+        params[layer]["w"], state.constraint_states[layer]["w"], p
+      )
       assert float(tangency) <= 1e-5 * max(1.0, float(jnp.max(jnp.abs(p)))), (layer, tangency)
-  print(f"\n{method}: final max |g| per layer (float64) {worst}, "
-        f"max residual over steps 1..999 {float(jnp.max(residuals[1:])):.2e}")
+  print(
+    f"\n{method}: final max |g| per layer (float64) {worst}, "
+    f"max residual over steps 1..999 {float(jnp.max(residuals[1:])):.2e}"
+  )
   assert max(worst.values()) <= 2e-6
   assert cola.constraint_residuals(params, state)["layer0"]["b"] is None
 
@@ -397,8 +409,7 @@ def test_same_shape_leaves_stepped_together_equal_leaf_by_leaf(monkeypatch):
   params = {f"w{i}": jax.random.normal(k, (5, 4)) for i, k in enumerate(keys)}
 
   def run():
-    tx = cola.cola_ud(0.3, friction=1.0, constraints=ZERO_MEAN, temperature=1e-3,
-                      key=jax.random.key(1))
+    tx = cola.cola_ud(0.3, friction=1.0, constraints=ZERO_MEAN, temperature=1e-3, key=jax.random.key(1))
 
     def body(carry, _):
       p, s = carry
@@ -413,11 +424,11 @@ def test_same_shape_leaves_stepped_together_equal_leaf_by_leaf(monkeypatch):
   single_params, single_state = run()
   for name in params:
     np.testing.assert_allclose(stacked_params[name], single_params[name], atol=2e-6)
-    np.testing.assert_allclose(stacked_state.momentum[name], single_state.momentum[name],
-                               atol=2e-5)
+    np.testing.assert_allclose(stacked_state.momentum[name], single_state.momentum[name], atol=2e-5)
     for field in ("iterations", "converged"):
       assert getattr(stacked_state.constraint_states[name], field) == getattr(
-          single_state.constraint_states[name], field)
+        single_state.constraint_states[name], field
+      )
 
 
 def test_project_params():
@@ -459,8 +470,8 @@ def _z(values, exact):
 
 
 GAUSSIAN = {
-    "quick": dict(chains=4_000, od=dict(h=0.5, steps=40), ud=dict(h=0.5, steps=80)),
-    "slow": dict(chains=100_000, od=dict(h=0.5, steps=80), ud=dict(h=0.5, steps=160)),
+  "quick": dict(chains=4_000, od=dict(h=0.5, steps=40), ud=dict(h=0.5, steps=80)),
+  "slow": dict(chains=100_000, od=dict(h=0.5, steps=80), ud=dict(h=0.5, steps=160)),
 }
 SIZES = [pytest.param("quick", id="quick"), pytest.param("slow", id="slow", marks=pytest.mark.slow)]
 
@@ -477,8 +488,7 @@ def test_gaussian_on_the_zero_sum_hyperplane(method, size):
     tx = cola.cola_od(cfg["h"], constraints=constraint, temperature=tau, key=key)
     scale = tau / (1 - cfg["h"] / 2)  # Euler-Maruyama's exact variance for a unit well
   else:
-    tx = cola.cola_ud(cfg["h"], friction=1.0, constraints=constraint, temperature=tau, key=key,
-                      splitting="BAOAB")
+    tx = cola.cola_ud(cfg["h"], friction=1.0, constraints=constraint, temperature=tau, key=key, splitting="BAOAB")
     scale = tau
   x = _chains(tx, jnp.zeros(d), lambda p: p - a, cfg["steps"], GAUSSIAN[size]["chains"], seed=1)
   np.testing.assert_allclose(x.sum(axis=1), 0, atol=1e-5)
@@ -491,26 +501,28 @@ def test_gaussian_on_the_zero_sum_hyperplane(method, size):
     for j in range(i, d):
       z[f"x{i} x{j}"] = _z((x[:, i] - mean[i]) * (x[:, j] - mean[j]), cov[i, j])
   worst = max(z, key=lambda k: abs(z[k]))
-  pvalues = [stats.kstest(x[:, i], stats.norm(mean[i], math.sqrt(cov[i, i])).cdf).pvalue
-             for i in range(d)]
-  print(f"\nzero-sum Gaussian, {method} ({size}): max |z| = {abs(z[worst]):.2f} at {worst}, "
-        f"min KS p = {min(pvalues):.3g}")
+  pvalues = [stats.kstest(x[:, i], stats.norm(mean[i], math.sqrt(cov[i, i])).cdf).pvalue for i in range(d)]
+  print(
+    f"\nzero-sum Gaussian, {method} ({size}): max |z| = {abs(z[worst]):.2f} at {worst}, min KS p = {min(pvalues):.3g}"
+  )
   assert abs(z[worst]) < Z_ACCEPT
   assert min(pvalues) > ACCEPT
   # Power: the unconstrained mean a and variance scale (1 instead of 1 - 1/d)
   # are rejected, and so is the wrong discretisation: tau P for od (without
   # Euler-Maruyama's inflation), tau P / (1 - h/2) for ud.
   wrong_scale = tau if method == "od" else tau / (1 - cfg["h"] / 2)
-  power = {"unconstrained mean": _z(x[:, 0], float(a[0])),
-           "unconstrained variance": _z((x[:, 0] - mean[0])**2, scale),
-           "discretisation": _z((x[:, 0] - mean[0])**2, wrong_scale * projector[0, 0])}
+  power = {
+    "unconstrained mean": _z(x[:, 0], float(a[0])),
+    "unconstrained variance": _z((x[:, 0] - mean[0]) ** 2, scale),
+    "discretisation": _z((x[:, 0] - mean[0]) ** 2, wrong_scale * projector[0, 0]),
+  }
   print(f"  wrong answers rejected at |z| = {power}")
   assert min(abs(v) for v in power.values()) > Z_REJECT
 
 
 SPHERE = {
-    "quick": dict(chains=2_000, od=dict(h=0.05, steps=100), ud=dict(h=0.25, steps=80)),
-    "slow": dict(chains=40_000, od=dict(h=0.05, steps=200), ud=dict(h=0.25, steps=160)),
+  "quick": dict(chains=2_000, od=dict(h=0.05, steps=100), ud=dict(h=0.25, steps=80)),
+  "slow": dict(chains=40_000, od=dict(h=0.05, steps=200), ud=dict(h=0.25, steps=160)),
 }
 
 
@@ -537,15 +549,16 @@ def test_uniform_on_the_zero_mean_sphere(method, size):
       z[f"w{i}{j}"] = _z(w[:, i, j], 0.0)
       z[f"w{i}{j}^2"] = _z(w[:, i, j] ** 2, c**2 * along / dim)
       z[f"w{i}{j}^4"] = _z(w[:, i, j] ** 4, 3 * c**4 * along**2 / (dim * (dim + 2)))
-  z["w00 w10"] = _z(w[:, 0, 0] * w[:, 1, 0], -c**2 / (rows * dim))
+  z["w00 w10"] = _z(w[:, 0, 0] * w[:, 1, 0], -(c**2) / (rows * dim))
   z["w00 w01"] = _z(w[:, 0, 0] * w[:, 0, 1], 0.0)
   worst = max(z, key=lambda k: abs(z[k]))
   marginal = stats.beta((dim - 1) / 2, (dim - 1) / 2)
   t = (w / (c * math.sqrt(along)) + 1) / 2
-  pvalues = [stats.kstest(t[:, i, j], marginal.cdf).pvalue
-             for i in range(rows) for j in range(cols)]
-  print(f"\nzero-mean sphere S^{dim - 1}, {method} ({size}): max |z| = {abs(z[worst]):.2f} at "
-        f"{worst}, min KS p = {min(pvalues):.3g}")
+  pvalues = [stats.kstest(t[:, i, j], marginal.cdf).pvalue for i in range(rows) for j in range(cols)]
+  print(
+    f"\nzero-mean sphere S^{dim - 1}, {method} ({size}): max |z| = {abs(z[worst]):.2f} at "
+    f"{worst}, min KS p = {min(pvalues):.3g}"
+  )
   assert abs(z[worst]) < Z_ACCEPT
   assert min(pvalues) > ACCEPT
   # Power: an entry taken as a coordinate of S^{dim - 1} (the projection

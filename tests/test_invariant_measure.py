@@ -45,14 +45,14 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import pytest  # noqa: E402
-from scipy import integrate, stats  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from scipy import integrate, stats
 
-import cola_jax as cola  # noqa: E402
+import cola_jax as cola
 
 # A p-value above ACCEPT passes; a wrong answer must give a p-value below REJECT.
 ACCEPT = 1e-3
@@ -153,10 +153,8 @@ def _ks(samples, cdf, label):
 # sets the speed. ud: gamma = 1, |v| ~ sqrt(tau) = 0.5 = r, relaxation time ~2,
 # t = 20.
 CIRCLE_FREE = {
-    "quick": dict(r=0.5, tau=0.25, gamma=1.0, n=20_000,
-                  od=dict(h=0.01, steps=1_000), ud=dict(h=0.05, steps=400)),
-    "slow": dict(r=0.5, tau=0.25, gamma=1.0, n=1_000_000,
-                 od=dict(h=0.01, steps=2_000), ud=dict(h=0.05, steps=800)),
+  "quick": dict(r=0.5, tau=0.25, gamma=1.0, n=20_000, od=dict(h=0.01, steps=1_000), ud=dict(h=0.05, steps=400)),
+  "slow": dict(r=0.5, tau=0.25, gamma=1.0, n=1_000_000, od=dict(h=0.01, steps=2_000), ud=dict(h=0.05, steps=800)),
 }
 
 SIZES = [pytest.param("quick", id="quick"), pytest.param("slow", id="slow", marks=pytest.mark.slow)]
@@ -191,8 +189,7 @@ def test_circle_without_force_samples_the_arcsine_law(method, size):
   assert _ks(np.abs(theta) / r, _arcsine_cdf, "|theta|/r vs arcsine (wrong)").pvalue < REJECT
   if method == "od":
     # ... and so is the actual dynamics with the paper's arctan projection.
-    wrong, _ = _circle_samples(
-        method, cfg, grad_fn=jnp.zeros_like, seed=11, constraint=_ArctanCircle(r))
+    wrong, _ = _circle_samples(method, cfg, grad_fn=jnp.zeros_like, seed=11, constraint=_ArctanCircle(r))
     assert wrong.min() >= 0
     assert _ks(wrong / r, _arcsine_cdf, "arctan projection vs arcsine (wrong)").pvalue < REJECT
   else:
@@ -215,10 +212,12 @@ def test_circle_without_force_samples_the_arcsine_law(method, size):
 # slow (n = 4e5, KS noise ~0.0014, critical value 0.0031 at p = 1e-3):
 #   od h = 0.001 (KS bias ~0.0004), ud gamma = 1, h = 0.005 (KS bias ~0.0003).
 CIRCLE_FORCE = {
-    "quick": dict(r=0.5, tau=0.25, gamma=1.0, n=20_000, k=4.0, c=0.25,
-                  od=dict(h=0.004, steps=2_500), ud=dict(h=0.02, steps=1_000)),
-    "slow": dict(r=0.5, tau=0.25, gamma=1.0, n=400_000, k=4.0, c=0.25,
-                 od=dict(h=0.001, steps=10_000), ud=dict(h=0.005, steps=4_000)),
+  "quick": dict(
+    r=0.5, tau=0.25, gamma=1.0, n=20_000, k=4.0, c=0.25, od=dict(h=0.004, steps=2_500), ud=dict(h=0.02, steps=1_000)
+  ),
+  "slow": dict(
+    r=0.5, tau=0.25, gamma=1.0, n=400_000, k=4.0, c=0.25, od=dict(h=0.001, steps=10_000), ud=dict(h=0.005, steps=4_000)
+  ),
 }
 
 
@@ -242,8 +241,7 @@ def test_circle_with_quadratic_potential_samples_its_gibbs_law(method, size):
     assert abs(integrate.quad(density, -r, x, limit=200)[0] / total - target(x)) < 1e-6
 
   exact_mean = integrate.quad(lambda t: t * density(t), -r, r, limit=200)[0] / total
-  print(f"  mean theta {theta.mean():.5f} (exact {exact_mean:.5f}, "
-        f"s.e. {theta.std() / math.sqrt(theta.size):.5f})")
+  print(f"  mean theta {theta.mean():.5f} (exact {exact_mean:.5f}, s.e. {theta.std() / math.sqrt(theta.size):.5f})")
   assert _ks(theta, target, "theta vs exp(-V/tau)/sqrt(r^2-theta^2)").pvalue > ACCEPT
 
   # Power: the arcsine law (no force) and the density without the
@@ -363,10 +361,12 @@ def _z_scores(statistics, label, verbose=True):
   worst = max(z, key=lambda k: abs(z[k]))
   if verbose:
     values, exact = statistics[worst]
-    print(f"  {label}: {len(z)} statistics, max |z| = {abs(z[worst]):.2f} at {worst} "
-          f"(mean {values.mean():.5f}, exact {exact:.5f}); "
-          f"effective samples {min(ess):.0f} to {max(ess):.0f} "
-          f"(B = {values.shape[0]} chains x M = {values.shape[1]} snapshots)")
+    print(
+      f"  {label}: {len(z)} statistics, max |z| = {abs(z[worst]):.2f} at {worst} "
+      f"(mean {values.mean():.5f}, exact {exact:.5f}); "
+      f"effective samples {min(ess):.0f} to {max(ess):.0f} "
+      f"(B = {values.shape[0]} chains x M = {values.shape[1]} snapshots)"
+    )
   return z
 
 
@@ -395,10 +395,22 @@ def test_haar_moment_formulas():
 # ud: gamma = 1, h = 0.05; E Q_11 is ~0 by t = 3; burn-in t = 10.
 # Snapshots every t = 0.3 (od) / 0.5 (ud); B chains x M snapshots.
 ORTHO_FREE = {
-    "quick": dict(tau=1.0, gamma=1.0, chains=400, snapshots=16,
-                  od=dict(h=0.01, burn_in=800, every=30), ud=dict(h=0.05, burn_in=200, every=10)),
-    "slow": dict(tau=1.0, gamma=1.0, chains=2_000, snapshots=40,
-                 od=dict(h=0.01, burn_in=1_000, every=30), ud=dict(h=0.05, burn_in=300, every=10)),
+  "quick": dict(
+    tau=1.0,
+    gamma=1.0,
+    chains=400,
+    snapshots=16,
+    od=dict(h=0.01, burn_in=800, every=30),
+    ud=dict(h=0.05, burn_in=200, every=10),
+  ),
+  "slow": dict(
+    tau=1.0,
+    gamma=1.0,
+    chains=2_000,
+    snapshots=40,
+    od=dict(h=0.01, burn_in=1_000, every=30),
+    ud=dict(h=0.05, burn_in=300, every=10),
+  ),
 }
 
 
@@ -414,9 +426,11 @@ def _signed_permutations(rng, count, n, p):
 # (each as long as the square one) run with the long versions, under -m slow.
 ORTHO_SHAPES = {"tall4x2": (4, 2), "wide2x4": (2, 4), "square3x3": (3, 3)}
 ORTHO_CASES = [
-    pytest.param(shape, size, id=f"{name}-{size}",
-                 marks=[] if (name, size) == ("square3x3", "quick") else [pytest.mark.slow])
-    for name, shape in ORTHO_SHAPES.items() for size in ("quick", "slow")
+  pytest.param(
+    shape, size, id=f"{name}-{size}", marks=[] if (name, size) == ("square3x3", "quick") else [pytest.mark.slow]
+  )
+  for name, shape in ORTHO_SHAPES.items()
+  for size in ("quick", "slow")
 ]
 
 

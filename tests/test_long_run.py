@@ -19,18 +19,17 @@ def train(tx, params, loss, steps):
     updates, s = tx.update(jax.grad(loss)(p, i), s, p)
     return (optax.apply_updates(p, updates), s), loss(p, i)
 
-  (params, state), losses = jax.jit(
-      lambda c: jax.lax.scan(step, c, jnp.arange(steps)))((params, tx.init(params)))
+  (params, state), losses = jax.jit(lambda c: jax.lax.scan(step, c, jnp.arange(steps)))((params, tx.init(params)))
   return params, state, losses
 
 
 RADIUS = 0.2
 KEY = jax.random.key(0)
 METHODS = {
-    "c_cola_od": cola.c_cola_od(0.05, radius=RADIUS, temperature=1e-4, key=KEY),
-    "c_cola_ud": cola.c_cola_ud(0.3, friction=1.0, radius=RADIUS, temperature=1e-4, key=KEY),
-    "o_cola_od": cola.o_cola_od(0.05, temperature=1e-5, key=KEY),
-    "o_cola_ud": cola.o_cola_ud(0.2, friction=1.0, temperature=1e-5, key=KEY),
+  "c_cola_od": cola.c_cola_od(0.05, radius=RADIUS, temperature=1e-4, key=KEY),
+  "c_cola_ud": cola.c_cola_ud(0.3, friction=1.0, radius=RADIUS, temperature=1e-4, key=KEY),
+  "o_cola_od": cola.o_cola_od(0.05, temperature=1e-5, key=KEY),
+  "o_cola_ud": cola.o_cola_ud(0.2, friction=1.0, temperature=1e-5, key=KEY),
 }
 
 

@@ -24,8 +24,10 @@ def init_mlp(key):
   for i, (fan_in, fan_out) in enumerate(zip(SIZES[:-1], SIZES[1:])):
     key, k = jax.random.split(key)
     bound = 1 / np.sqrt(fan_in)
-    params[f"layer{i}"] = {"w": jax.random.uniform(k, (fan_in, fan_out), minval=-bound, maxval=bound),
-                           "b": jnp.zeros(fan_out)}
+    params[f"layer{i}"] = {
+      "w": jax.random.uniform(k, (fan_in, fan_out), minval=-bound, maxval=bound),
+      "b": jnp.zeros(fan_out),
+    }
   return params
 
 
@@ -45,6 +47,7 @@ def batches(steps, batch_size=16):
 
 
 # --- the pattern -------------------------------------------------------------
+
 
 def train_seeds(keys, make_tx, init_params, loss_fn, batches):
   """Trains one network per key, all at once; returns (params, opt_states).
@@ -68,12 +71,13 @@ def train_seeds(keys, make_tx, init_params, loss_fn, batches):
 
   return jax.jit(jax.vmap(train_one))(keys)
 
+
 # -----------------------------------------------------------------------------
 
 
 METHODS = {
-    "c_cola_ud": lambda key: cola.c_cola_ud(0.3, friction=1.0, radius=0.2, temperature=1e-3, key=key),
-    "o_cola_od": lambda key: cola.o_cola_od(0.05, temperature=1e-4, key=key),
+  "c_cola_ud": lambda key: cola.c_cola_ud(0.3, friction=1.0, radius=0.2, temperature=1e-3, key=key),
+  "o_cola_od": lambda key: cola.o_cola_od(0.05, temperature=1e-4, key=key),
 }
 
 
@@ -110,4 +114,3 @@ def test_seeds_trained_together_equal_seeds_trained_alone(method):
   else:
     grams = jnp.einsum("nij,nik->njk", params["layer1"]["w"], params["layer1"]["w"])
     np.testing.assert_allclose(np.asarray(grams), np.broadcast_to(np.eye(16), grams.shape), atol=1e-5)
-

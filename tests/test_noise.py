@@ -11,10 +11,10 @@ from cola_jax._numerics import computed_together
 
 SHAPES = [(), (1,), (7,), (3, 4), (2, 300, 70), (3, 3, 8, 16)]
 KEYS = {
-    "key(0)": lambda: jax.random.key(0),
-    "key(2**31 + 5)": lambda: jax.random.key(2**31 + 5),
-    "raw PRNGKey(7)": lambda: jax.random.PRNGKey(7),
-    "split key": lambda: jax.random.split(jax.random.key(11), 3)[2],
+  "key(0)": lambda: jax.random.key(0),
+  "key(2**31 + 5)": lambda: jax.random.key(2**31 + 5),
+  "raw PRNGKey(7)": lambda: jax.random.PRNGKey(7),
+  "split key": lambda: jax.random.split(jax.random.key(11), 3)[2],
 }
 
 
@@ -39,15 +39,16 @@ def test_bit_identical_under_vmap_over_keys():
 def test_other_dtypes_are_jax_random_normal(dtype):
   key = jax.random.key(1)
   np.testing.assert_array_equal(
-      np.asarray(_noise.normal(key, (64,), dtype), np.float32),
-      np.asarray(jax.random.normal(key, (64,), dtype), np.float32))
+    np.asarray(_noise.normal(key, (64,), dtype), np.float32),
+    np.asarray(jax.random.normal(key, (64,), dtype), np.float32),
+  )
 
 
 def test_other_generators_are_jax_random_normal():
   key = jax.random.key(1, impl="rbg")
   np.testing.assert_array_equal(
-      np.asarray(_noise.normal(key, (64,), jnp.float32)),
-      np.asarray(jax.random.normal(key, (64,), jnp.float32)))
+    np.asarray(_noise.normal(key, (64,), jnp.float32)), np.asarray(jax.random.normal(key, (64,), jnp.float32))
+  )
 
 
 def test_the_original_threefry_mode_is_jax_random_normal():

@@ -34,8 +34,7 @@ def run(tx, params, loss, steps, grad_map=lambda g: g):
 
 def leaves_of(tree):
   """The leaves with typed PRNG keys as their raw data, for comparisons."""
-  return [jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
-          for x in jax.tree.leaves(tree)]
+  return [jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x for x in jax.tree.leaves(tree)]
 
 
 def assert_trees_equal(a, b):
@@ -85,16 +84,17 @@ def test_inject_hyperparams_with_learning_rate_and_temperature_schedules(mlp_pro
   learning_rate = optax.warmup_cosine_decay_schedule(0.05, 0.3, warmup_steps=3, decay_steps=steps, end_value=0.1)
   temperature = optax.linear_schedule(1e-3, 0.0, transition_steps=anneal)
   injected = optax.inject_hyperparams(cola.cola_ud)(
-      learning_rate=learning_rate, friction=1.0, temperature=temperature,
-      key=jax.random.key(3), constraints=MIXED)
+    learning_rate=learning_rate, friction=1.0, temperature=temperature, key=jax.random.key(3), constraints=MIXED
+  )
 
   def step(carry, i):
     p, s = carry
     updates, s = injected.update(jax.grad(loss)(p, i), s, p)
     return (optax.apply_updates(p, updates), s), (s.hyperparams["learning_rate"], s.hyperparams["temperature"])
 
-  (final, state), (rates, temperatures) = jax.jit(
-      lambda c: jax.lax.scan(step, c, jnp.arange(steps)))((params, injected.init(params)))
+  (final, state), (rates, temperatures) = jax.jit(lambda c: jax.lax.scan(step, c, jnp.arange(steps)))(
+    (params, injected.init(params))
+  )
 
   # The state records the value each step used: the schedules at 0, 1, ...
   np.testing.assert_allclose(rates, [learning_rate(i) for i in range(steps)], rtol=1e-6)
@@ -102,8 +102,11 @@ def test_inject_hyperparams_with_learning_rate_and_temperature_schedules(mlp_pro
   assert float(state.hyperparams["temperature"]) <= 1e-9 and int(state.count) == steps
   # The same schedules given to the plain transform give the same run.
   plain, plain_state = run(
-      cola.cola_ud(learning_rate, friction=1.0, temperature=temperature, key=jax.random.key(3), constraints=MIXED),
-      params, loss, steps)
+    cola.cola_ud(learning_rate, friction=1.0, temperature=temperature, key=jax.random.key(3), constraints=MIXED),
+    params,
+    loss,
+    steps,
+  )
   assert_trees_close(final, plain, rtol=1e-5, atol=1e-6)
   assert max_residual(final, state) <= 1e-5
   # Annealed to zero: the next step draws no noise, whatever the key.
@@ -205,8 +208,9 @@ def test_partition_cola_with_adam_matches_separate_optimizers(mlp_problem):
   params, loss = mlp_problem
   # A callable spec: the partition hands the CoLA group the parameters with
   # optax.MaskedNode() at layer2, the reference below a dict without layer2.
-  cola_tx = cola.cola_ud(0.3, friction=1.0, constraints=lambda p: {name: MIXED[name] for name in p},
-                         temperature=1e-4, key=jax.random.key(5))
+  cola_tx = cola.cola_ud(
+    0.3, friction=1.0, constraints=lambda p: {name: MIXED[name] for name in p}, temperature=1e-4, key=jax.random.key(5)
+  )
   adam = optax.adam(1e-2)
   tx = optax.partition({"cola": cola_tx, "adam": adam}, cola_and_adam_labels)
   partitioned, state = run(tx, params, loss, 30)
@@ -224,7 +228,8 @@ def test_partition_cola_with_adam_matches_separate_optimizers(mlp_problem):
 
   cp, ap = split(params)
   ((cp, ap), (cs, _)), _ = jax.jit(lambda c: jax.lax.scan(step, c, jnp.arange(30)))(
-      ((cp, ap), (cola_tx.init(cp), adam.init(ap))))
+    ((cp, ap), (cola_tx.init(cp), adam.init(ap)))
+  )
   assert_trees_close(partitioned["layer2"], ap["layer2"], rtol=1e-5, atol=1e-6)  # adam leaves = pure adam
   assert_trees_close({"layer0": partitioned["layer0"], "layer1": partitioned["layer1"]}, cp, rtol=1e-5, atol=1e-6)
   assert max_residual(cp, cs) <= 1e-5
@@ -240,8 +245,9 @@ def test_partition_cola_with_adam_matches_separate_optimizers(mlp_problem):
 
 def test_constraint_residuals_of_a_partition_with_the_full_parameters(mlp_problem):
   params, loss = mlp_problem
-  tx = optax.partition({"cola": cola.c_cola_ud(0.3, friction=1.0, radius=0.3), "adam": optax.adam(1e-2)},
-                       cola_and_adam_labels)
+  tx = optax.partition(
+    {"cola": cola.c_cola_ud(0.3, friction=1.0, radius=0.3), "adam": optax.adam(1e-2)}, cola_and_adam_labels
+  )
   new, state = run(tx, params, loss, 3)
   residuals = cola.constraint_residuals(new, state)
   assert residuals["layer2"]["w"] is None
@@ -253,9 +259,10 @@ def test_partition_groups_need_different_keys_for_independent_noise():
   zeros = jax.tree.map(jnp.zeros_like, params)
 
   def noise(key_a, key_b):
-    tx = optax.partition({
-        "a": cola.cola_od(0.1, temperature=1.0, key=key_a),
-        "b": cola.cola_od(0.1, temperature=1.0, key=key_b)}, {"a": "a", "b": "b"})
+    tx = optax.partition(
+      {"a": cola.cola_od(0.1, temperature=1.0, key=key_a), "b": cola.cola_od(0.1, temperature=1.0, key=key_b)},
+      {"a": "a", "b": "b"},
+    )
     updates, _ = tx.update(zeros, tx.init(params), params)
     return np.asarray(updates["a"]).ravel(), np.asarray(updates["b"]).ravel()
 

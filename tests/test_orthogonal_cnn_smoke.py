@@ -35,8 +35,22 @@ def test_json_schema(oc, smoke_run):
   out, returned = smoke_run
   data = json.loads((out / "orthogonal_cnn.json").read_text())
   assert data == json.loads(json.dumps(returned))
-  for key in ("schema_version", "status", "config", "data", "methods", "seeds", "results", "summary",
-              "command", "argv", "date", "machine", "versions", "wall_time_s"):
+  for key in (
+    "schema_version",
+    "status",
+    "config",
+    "data",
+    "methods",
+    "seeds",
+    "results",
+    "summary",
+    "command",
+    "argv",
+    "date",
+    "machine",
+    "versions",
+    "wall_time_s",
+  ):
     assert key in data, key
   assert data["status"] == "complete" and data["data"]["synthetic"] is True
   assert data["argv"][:2] == ["--smoke", "--synthetic"]
@@ -52,8 +66,15 @@ def test_json_schema(oc, smoke_run):
   assert list(data["results"]) == list(oc.METHODS) == list(data["summary"])
 
   for method, entry in data["results"].items():
-    for key in ("test_accuracy", "best_test_accuracy", "test_loss", "min_test_loss", "train_loss",
-                "init_param_l2", "time_s"):
+    for key in (
+      "test_accuracy",
+      "best_test_accuracy",
+      "test_loss",
+      "min_test_loss",
+      "train_loss",
+      "init_param_l2",
+      "time_s",
+    ):
       assert len(entry[key]) == n_seeds and all(math.isfinite(v) for v in entry[key]), (method, key)
     assert all(0 <= a <= b <= 1 for a, b in zip(entry["test_accuracy"], entry["best_test_accuracy"]))
     assert all(v > 0 for v in entry["test_loss"])
@@ -90,8 +111,7 @@ def test_constrained_kernels_are_orthonormal(oc, smoke_run):
       assert q.shape[0] > q.shape[1]
       np.testing.assert_allclose(q.T @ q, np.eye(q.shape[1]), atol=1e-5)
   # SGD-m's kernels are nowhere near orthonormal: the constraint is what holds them.
-  assert min(min(v) for k, v in data["results"]["sgdm"]["orthogonality_defect"].items()
-             if k in CONSTRAINED) > 0.1
+  assert min(min(v) for k, v in data["results"]["sgdm"]["orthogonality_defect"].items() if k in CONSTRAINED) > 0.1
 
 
 def test_first_conv_is_free(oc, smoke_run):
@@ -139,17 +159,28 @@ def test_ocola_step_size_matches_sgdm_schedule(oc):
 
 @pytest.mark.slow  # compiling a ResNet step: 131 s here on a loaded 2-core CPU, the quick suite's longest test
 def test_resnet_one_step_keeps_its_constraints(oc):
-  config = oc.Config(model="resnet18", dataset="cifar10", seeds=1, epochs=1, decay_epochs=(),
-                     methods=("ocola_ud",), n_train=8, n_test=8, batch_size=8, width=4, augment=True)
+  config = oc.Config(
+    model="resnet18",
+    dataset="cifar10",
+    seeds=1,
+    epochs=1,
+    decay_epochs=(),
+    methods=("ocola_ud",),
+    n_train=8,
+    n_test=8,
+    batch_size=8,
+    width=4,
+    augment=True,
+  )
   (x, y), _, _ = oc.make_data(config, None, synthetic=True)
   model = oc.make_model("resnet18", width=4)
-  run = oc.Run("ocola_ud", 0, oc.build("ocola_ud", model, config, oc.pixel_stats(config, x), x.shape[1:]),
-               config)
+  run = oc.Run("ocola_ud", 0, oc.build("ocola_ud", model, config, oc.pixel_stats(config, x), x.shape[1:]), config)
   params0, stats0 = run.init_variables
   assert set(stats0) >= {"bn0", "stage1_block0"}  # BatchNorm running statistics exist
   order = jnp.arange(8)
-  run.carry, (loss, _) = run.train_step(run.carry, jnp.asarray(x), jnp.asarray(y), order, jnp.int32(0),
-                                        jax.random.key(1))
+  run.carry, (loss, _) = run.train_step(
+    run.carry, jnp.asarray(x), jnp.asarray(y), order, jnp.int32(0), jax.random.key(1)
+  )
   params, stats, state = run.carry
   assert np.isfinite(float(loss))
   residuals = cola.constraint_residuals(params, state)
@@ -174,7 +205,7 @@ def test_cifar10_readers(oc, tmp_path):
   binary.mkdir()
   for i, name in enumerate([f"data_batch_{k}" for k in range(1, 6)] + ["test_batch"]):
     with open(py / name, "wb") as f:
-      pickle.dump({b"data": images[i:i + 1].reshape(1, -1), b"labels": [int(labels[i])]}, f)
+      pickle.dump({b"data": images[i : i + 1].reshape(1, -1), b"labels": [int(labels[i])]}, f)
     record = np.concatenate([[labels[i]], images[i].reshape(-1)]).astype(np.uint8)
     record.tofile(binary / f"{name}.bin")
   for directory in (tmp_path, binary):

@@ -34,23 +34,31 @@ def _unit_norm(w):
 
 
 _IMPLICIT_UNIT_NORM = cola.Implicit(equality=_unit_norm)  # defined once: equal across updates
+_IMPLICIT_UNIT_NORM_PER_COLUMN = cola.Implicit(equality=_unit_norm, axis=0)
 
 # The constraints under test, one line each: name -> (factory, which leaf shapes it takes).
 CONSTRAINTS = {
-    "free": (lambda: None, lambda shape: True),
-    "circle": (lambda: cola.Circle(0.5), lambda shape: True),
-    "sphere": (lambda: cola.Sphere(1.0), lambda shape: True),
-    "orthogonal": (lambda: cola.Orthogonal(), lambda shape: len(shape) >= 2),
-    "implicit": (lambda: _IMPLICIT_UNIT_NORM, lambda shape: math.prod(shape) >= 2),
+  "free": (lambda: None, lambda shape: True),
+  "circle": (lambda: cola.Circle(0.5), lambda shape: True),
+  "sphere": (lambda: cola.Sphere(1.0), lambda shape: True),
+  "orthogonal": (lambda: cola.Orthogonal(), lambda shape: len(shape) >= 2),
+  "implicit": (lambda: _IMPLICIT_UNIT_NORM, lambda shape: math.prod(shape) >= 2),
+  "implicit_per_unit": (lambda: _IMPLICIT_UNIT_NORM_PER_COLUMN, lambda shape: len(shape) >= 1 and shape[0] >= 2),
+  "box": (lambda: cola.Box(-0.3, 0.7), lambda shape: True),
+  "non_negative": (lambda: cola.NonNegative(), lambda shape: True),
+  "unit_norm": (lambda: cola.UnitNorm(2.0), lambda shape: len(shape) >= 2 and math.prod(shape[:-1]) >= 2),
+  "orthogonal_batched": (lambda: cola.Orthogonal(row_axes=(-2,), column_axes=(-1,)), lambda shape: len(shape) >= 3),
 }
 
 # Dynamics: name -> transform from (learning_rate, temperature, friction, constraint, key).
 METHODS = {
-    "cola_od": lambda h, tau, gamma, c, key: cola.cola_od(h, constraints=c, temperature=tau, key=key),
-    "cola_ud_oba": lambda h, tau, gamma, c, key: cola.cola_ud(
-        h, friction=gamma, constraints=c, temperature=tau, key=key, splitting="OBA"),
-    "cola_ud_baoab": lambda h, tau, gamma, c, key: cola.cola_ud(
-        h, friction=gamma, constraints=c, temperature=tau, key=key, splitting="BAOAB"),
+  "cola_od": lambda h, tau, gamma, c, key: cola.cola_od(h, constraints=c, temperature=tau, key=key),
+  "cola_ud_oba": lambda h, tau, gamma, c, key: cola.cola_ud(
+    h, friction=gamma, constraints=c, temperature=tau, key=key, splitting="OBA"
+  ),
+  "cola_ud_baoab": lambda h, tau, gamma, c, key: cola.cola_ud(
+    h, friction=gamma, constraints=c, temperature=tau, key=key, splitting="BAOAB"
+  ),
 }
 
 SHAPES = [(), (5,), (0, 3), (3, 0), (1, 1), (6, 2), (2, 5), (4, 4), (2, 2, 3), (3, 3, 2, 4)]
@@ -67,11 +75,17 @@ SPECIALS = [None, 0.0, float("inf"), -float("inf"), float("nan")]
 TOLERANCE = {"float16": 8e-3, "bfloat16": 6e-2, "float32": 2e-5, "float64": 2e-5}
 
 settings.register_profile(
-    "quick", max_examples=10, derandomize=True, database=None, deadline=None, print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow])
+  "quick",
+  max_examples=10,
+  derandomize=True,
+  database=None,
+  deadline=None,
+  print_blob=True,
+  suppress_health_check=[HealthCheck.too_slow],
+)
 settings.register_profile(
-    "long", max_examples=200, deadline=None, print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow])
+  "long", max_examples=200, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def fixed_layout(constraint_name):
@@ -90,16 +104,17 @@ def drawn_layouts(constraint_name):
 def problems(draw, layouts):
   layout = draw(layouts)
   return dict(
-      layout=layout,
-      seed=draw(st.integers(0, 2**16)),
-      scales=[draw(st.sampled_from(SCALES)) for _ in layout],
-      specials=[draw(st.sampled_from(SPECIALS)) for _ in layout],
-      h=draw(st.sampled_from([1e-4, 1e-2, 0.1, 0.3, 1.0])),
-      tau=draw(st.sampled_from([0.0, 1e-6, 1e-3, 1.0])),
-      gamma=draw(st.sampled_from([0.0, 0.1, 1.0, 10.0])))
+    layout=layout,
+    seed=draw(st.integers(0, 2**16)),
+    scales=[draw(st.sampled_from(SCALES)) for _ in layout],
+    specials=[draw(st.sampled_from(SPECIALS)) for _ in layout],
+    h=draw(st.sampled_from([1e-4, 1e-2, 0.1, 0.3, 1.0])),
+    tau=draw(st.sampled_from([0.0, 1e-6, 1e-3, 1.0])),
+    gamma=draw(st.sampled_from([0.0, 0.1, 1.0, 10.0])),
+  )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_steps(method, constraint_name, layout, x64):
   """Two updates as one compiled function of (params, grads, h, tau, gamma, key)."""
   del layout, x64  # part of the cache key: jit compiles per shape and dtype anyway
@@ -129,8 +144,7 @@ def _flagged(states, name) -> bool:
 def check_method(method, constraint_name, problem):
   rng = np.random.default_rng(problem["seed"])
   params, grads = {"b": jnp.zeros(3)}, {"b": jnp.ones(3)}
-  for i, ((shape, dtype), scale, special) in enumerate(
-      zip(problem["layout"], problem["scales"], problem["specials"])):
+  for i, ((shape, dtype), scale, special) in enumerate(zip(problem["layout"], problem["scales"], problem["specials"])):
     grad = np.sign(rng.standard_normal(shape)) * scale
     if special is not None and grad.size:
       grad.flat[rng.integers(grad.size)] = special
@@ -139,7 +153,8 @@ def check_method(method, constraint_name, problem):
       grads[f"w{i}"] = jnp.asarray(grad, dtype)
   step = _compiled_steps(method, constraint_name, problem["layout"], jax.config.jax_enable_x64)
   new, updates, states, residuals = step(
-      params, grads, problem["h"], problem["tau"], problem["gamma"], jax.random.key(problem["seed"]))
+    params, grads, problem["h"], problem["tau"], problem["gamma"], jax.random.key(problem["seed"])
+  )
 
   shapes = jax.tree.map(lambda p: (p.shape, p.dtype), params)
   assert jax.tree.map(lambda u: (u.shape[1:], u.dtype), updates) == shapes  # both steps' updates
@@ -151,9 +166,10 @@ def check_method(method, constraint_name, problem):
     visible_nan = not (bool(jnp.all(jnp.isfinite(new[name]))) and math.isfinite(float(residual)))
     on_manifold = float(residual) <= TOLERANCE[dtype]
     assert on_manifold or _flagged(states, name) or visible_nan, (
-        f"{method} with {constraint_name}: residual {float(residual):.3g} after a silent step "
-        f"(leaf {shape} {dtype}, h={problem['h']}, tau={problem['tau']}, gamma={problem['gamma']}, "
-        f"|grad| = {problem['scales'][i]:.3g}, special entry {problem['specials'][i]})")
+      f"{method} with {constraint_name}: residual {float(residual):.3g} after a silent step "
+      f"(leaf {shape} {dtype}, h={problem['h']}, tau={problem['tau']}, gamma={problem['gamma']}, "
+      f"|grad| = {problem['scales'][i]:.3g}, special entry {problem['specials'][i]})"
+    )
 
 
 def _test(method, constraint_name, data, layouts):

@@ -15,9 +15,7 @@ import pytest
 
 CHECK = pathlib.Path(__file__).with_name("sharding_check.py")
 METHODS_AND_LAYOUTS = [
-    (method, layout)
-    for method in ("c_cola_ud", "o_cola_od")
-    for layout in ("data", "model_rows", "model_cols")
+  (method, layout) for method in ("c_cola_ud", "o_cola_od") for layout in ("data", "model_rows", "model_cols")
 ] + [("o_cola_ud", "model_rows"), ("c_cola_ud", "explicit")]
 
 # Relative agreement with the single-device run after 20 steps. The circle
@@ -27,12 +25,13 @@ METHODS_AND_LAYOUTS = [
 # quasi-Newton iterations, so they agree to 10x that.
 TOLERANCE = {"c_cola_ud": 1e-6, "o_cola_od": 1e-5, "o_cola_ud": 1e-5}
 
+
 @pytest.fixture(scope="module")
 def report():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             OPENBLAS_NUM_THREADS="1", JAX_PLATFORMS="cpu")
-  done = subprocess.run([sys.executable, str(CHECK)], env=env, capture_output=True,
-                        text=True, timeout=600)
+  env = dict(
+    os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", OPENBLAS_NUM_THREADS="1", JAX_PLATFORMS="cpu"
+  )
+  done = subprocess.run([sys.executable, str(CHECK)], env=env, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-4000:]
   return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -75,8 +74,11 @@ def test_noise_is_drawn_shard_by_shard(report, method, layout):
 
 def test_collectives(report):
   """The communication each layout needs, and only that."""
-  kinds = {(r["method"], r["layout"]): {c.split()[0] for c in r["collectives"]}
-           for r in report["reports"] if "collectives" in r}
+  kinds = {
+    (r["method"], r["layout"]): {c.split()[0] for c in r["collectives"]}
+    for r in report["reports"]
+    if "collectives" in r
+  }
   # Data parallel: the gradient mean is the only reduction; the update itself,
   # noise and projections included, runs on every device without talking.
   for method in ("c_cola_ud", "o_cola_od"):

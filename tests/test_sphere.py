@@ -28,15 +28,15 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import pytest  # noqa: E402
-from scipy import integrate, stats  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from scipy import integrate, stats
 
-import cola_jax as cola  # noqa: E402
-from cola_jax import langevin  # noqa: E402
+import cola_jax as cola
+from cola_jax import langevin
 
 ACCEPT = 1e-3
 REJECT = 1e-6
@@ -87,15 +87,18 @@ def test_axis_must_be_integers_without_repeats():
   assert hash(cola.Sphere(1.0, axis=[0, 1])) == hash(cola.Sphere(1.0, axis=(0, 1)))
 
 
-@pytest.mark.parametrize("shape, axis, slack_shape", [
-    ((4, 3), None, (1, 3)),              # Dense kernel: one unit per output column
+@pytest.mark.parametrize(
+  "shape, axis, slack_shape",
+  [
+    ((4, 3), None, (1, 3)),  # Dense kernel: one unit per output column
     ((3, 3, 2, 4), None, (1, 1, 1, 4)),  # conv kernel: one unit per output filter
     ((3, 3, 2, 4), (0, 1), (1, 1, 2, 4)),
     ((4, 3), 1, (4, 1)),
     ((4, 3), -1, (4, 1)),
-    ((5,), None, (5,)),                  # a vector: every entry its own unit (the circle)
+    ((5,), None, (5,)),  # a vector: every entry its own unit (the circle)
     ((5,), 0, (1,)),
-])
+  ],
+)
 def test_init_puts_units_in_the_ball_with_one_slack_each(shape, axis, slack_shape):
   r = 1.0
   w = jax.random.normal(jax.random.key(0), shape)
@@ -110,11 +113,9 @@ def test_init_puts_units_in_the_ball_with_one_slack_each(shape, axis, slack_shap
   near = c.nearest(w)
   expected = np.where(norm > r, np.asarray(w) / norm * r, np.asarray(w))
   np.testing.assert_allclose(near, expected, rtol=1e-6, atol=1e-7)
-  np.testing.assert_allclose(
-      state.slack, np.sqrt(np.maximum(r**2 - np.minimum(norm, r) ** 2, 0)), atol=2e-3)
+  np.testing.assert_allclose(state.slack, np.sqrt(np.maximum(r**2 - np.minimum(norm, r) ** 2, 0)), atol=2e-3)
   assert float(state.residual(near)) <= 1e-6
-  assert np.all(np.sqrt(unit_dot(np.asarray(near, np.float64), np.asarray(near, np.float64),
-                                 axes)) <= np.float32(r))
+  assert np.all(np.sqrt(unit_dot(np.asarray(near, np.float64), np.asarray(near, np.float64), axes)) <= np.float32(r))
 
 
 # --------------------------------------------------------------------------------------
@@ -125,10 +126,10 @@ def _points_on_both_hemispheres(key, n, units, r):
   """Points of S^n (radius r): random, near both poles, on the equator."""
   g = np.asarray(jax.random.normal(key, (n + 1, units)), np.float64)
   g[:, 0] = 0.0
-  g[-1, 0] = 1.0              # the pole w = 0, xi = r
+  g[-1, 0] = 1.0  # the pole w = 0, xi = r
   g[:, 1] = 1e-4
-  g[-1, 1] = -1.0             # near the antipodal pole
-  g[-1, 2] = 0.0              # the equator, xi = 0
+  g[-1, 1] = -1.0  # near the antipodal pole
+  g[-1, 2] = 0.0  # the equator, xi = 0
   q = r * g / np.linalg.norm(g, axis=0)
   return jnp.asarray(q[:-1], jnp.float32), jnp.asarray(q[-1:], jnp.float32)
 
@@ -142,11 +143,9 @@ def test_frame_is_an_isometry_onto_the_cotangent_space():
   p_w, p_xi = (np.asarray(a, np.float64) for a in c.momentum_vector(point, u))
   # Tangent, and |p| = |u|.
   np.testing.assert_allclose(unit_dot(w, p_w, 0) + xi * p_xi, 0, atol=1e-6)
-  np.testing.assert_allclose(
-      unit_dot(p_w, p_w, 0) + p_xi**2, unit_dot(np.asarray(u), np.asarray(u), 0), rtol=1e-5)
+  np.testing.assert_allclose(unit_dot(p_w, p_w, 0) + p_xi**2, unit_dot(np.asarray(u), np.asarray(u), 0), rtol=1e-5)
   # Coordinates of the decoded vector give back u.
-  np.testing.assert_allclose(c.cotangent(point, (jnp.asarray(p_w), jnp.asarray(p_xi))), u,
-                             atol=2e-6)
+  np.testing.assert_allclose(c.cotangent(point, (jnp.asarray(p_w), jnp.asarray(p_xi))), u, atol=2e-6)
   # At the pole the frame is the identity on the w space.
   np.testing.assert_allclose(p_w[:, 0], np.asarray(u)[:, 0], atol=1e-7)
   assert abs(p_xi[0, 0]) < 1e-7
@@ -198,8 +197,7 @@ def test_a_step_is_the_exact_geodesic_flow():
   phi = h * np.linalg.norm(p, axis=0) / r
   assert np.all(np.abs(got_q - q1) <= 1e-6 + 3e-7 * r * phi)
   np.testing.assert_allclose(np.linalg.norm(got_q, axis=0), r, rtol=5e-7)
-  got_p = np.concatenate([np.asarray(a, np.float64)
-                          for a in c.momentum_vector((w1, xi1), u1)])
+  got_p = np.concatenate([np.asarray(a, np.float64) for a in c.momentum_vector((w1, xi1), u1)])
   speed = np.linalg.norm(p, axis=0)
   assert np.all(np.abs(got_p - p1) <= (1e-6 + 3e-7 * phi) * np.maximum(speed, 1))
   # The speed is conserved and the momentum is tangent at the new point.
@@ -209,8 +207,7 @@ def test_a_step_is_the_exact_geodesic_flow():
   # Time reversible.
   back, u0 = langevin.a_step(c, (w1, xi1), -u1, h)
   small = scale < 3  # (for large angles float32 rounding of phi dominates)
-  np.testing.assert_allclose(np.asarray(back[0])[:, small], np.asarray(point[0])[:, small],
-                             atol=2e-6)
+  np.testing.assert_allclose(np.asarray(back[0])[:, small], np.asarray(point[0])[:, small], atol=2e-6)
   np.testing.assert_allclose(-np.asarray(u0)[:, small], np.asarray(u)[:, small], atol=1e-5)
 
 
@@ -232,8 +229,7 @@ def test_overdamped_projection_is_radial():
   new = langevin.overdamped_step(c, point, g, 0.1)
   moved = np.concatenate([np.asarray(point[0] - 0.1 * g), np.asarray(point[1])])
   expected = r * moved / np.linalg.norm(moved, axis=0)
-  np.testing.assert_allclose(np.concatenate([np.asarray(new[0]), np.asarray(new[1])]),
-                             expected, rtol=1e-6)
+  np.testing.assert_allclose(np.concatenate([np.asarray(new[0]), np.asarray(new[1])]), expected, rtol=1e-6)
 
 
 # --------------------------------------------------------------------------------------
@@ -254,8 +250,9 @@ def _run(tx, params, steps):
 
 
 EQUIVALENCE = [
-    ("od", 0.0), ("ud", 0.0),
-    ("ud", 1e-2),  # the ud noise is one normal per weight for both: same draws
+  ("od", 0.0),
+  ("ud", 0.0),
+  ("ud", 1e-2),  # the ud noise is one normal per weight for both: same draws
 ]
 
 
@@ -267,15 +264,16 @@ def test_one_weight_per_unit_is_the_circle(method, tau, shape, axis):
   key = jax.random.key(3) if tau else None
   kwargs = dict(temperature=tau, key=key)
   if method == "od":
-    make = lambda c: cola.cola_od(0.05, constraints=c, **kwargs)  # noqa: E731
+    make = lambda c: cola.cola_od(0.05, constraints=c, **kwargs)
   else:
-    make = lambda c: cola.cola_ud(0.2, friction=1.0, constraints=c, **kwargs)  # noqa: E731
+    make = lambda c: cola.cola_ud(0.2, friction=1.0, constraints=c, **kwargs)
   p_circle, s_circle = _run(make(cola.Circle(r)), w, 300)
   p_sphere, s_sphere = _run(make(cola.Sphere(r, axis=axis)), w, 300)
   assert float(jnp.max(jnp.abs(p_circle - w))) > 0.1  # it moved
   np.testing.assert_allclose(p_sphere, p_circle, atol=2e-5)
-  np.testing.assert_allclose(s_sphere.constraint_states.slack.reshape(shape),
-                             s_circle.constraint_states.slack, atol=2e-5)
+  np.testing.assert_allclose(
+    s_sphere.constraint_states.slack.reshape(shape), s_circle.constraint_states.slack, atol=2e-5
+  )
   if method == "ud":  # the momenta have the same coordinates: v along (xi, -theta)/r
     np.testing.assert_allclose(s_sphere.momentum, s_circle.momentum, atol=1e-4)
 
@@ -289,10 +287,8 @@ STEPS = 2_000
 KERNELS = ("conv", "tall", "wide", "square", "out")
 SPHERE_CONSTRAINTS = {k: {"kernel": cola.Sphere(RADIUS), "bias": None} for k in KERNELS}
 LONG_METHODS = {
-    "od": cola.cola_od(0.05, constraints=SPHERE_CONSTRAINTS, temperature=1e-4,
-                       key=jax.random.key(0)),
-    "ud": cola.cola_ud(0.3, friction=1.0, constraints=SPHERE_CONSTRAINTS, temperature=1e-4,
-                       key=jax.random.key(0)),
+  "od": cola.cola_od(0.05, constraints=SPHERE_CONSTRAINTS, temperature=1e-4, key=jax.random.key(0)),
+  "ud": cola.cola_ud(0.3, friction=1.0, constraints=SPHERE_CONSTRAINTS, temperature=1e-4, key=jax.random.key(0)),
 }
 
 
@@ -306,11 +302,12 @@ def test_constraints_hold_after_many_noisy_steps(method, cnn_problem):
     updates, s = tx.update(jax.grad(loss)(p, i), s, p)
     return (optax.apply_updates(p, updates), s), loss(p, i)
 
-  initial_norms = {k: np.linalg.norm(np.asarray(params[k]["kernel"]).reshape(-1, params[k][
-      "kernel"].shape[-1]), axis=0) for k in KERNELS}
+  initial_norms = {
+    k: np.linalg.norm(np.asarray(params[k]["kernel"]).reshape(-1, params[k]["kernel"].shape[-1]), axis=0)
+    for k in KERNELS
+  }
   assert max(n.max() for n in initial_norms.values()) > RADIUS  # the bound is active
-  (params, state), losses = jax.jit(
-      lambda c: jax.lax.scan(step, c, jnp.arange(STEPS)))((params, tx.init(params)))
+  (params, state), losses = jax.jit(lambda c: jax.lax.scan(step, c, jnp.arange(STEPS)))((params, tx.init(params)))
   assert np.all(np.isfinite(np.asarray(losses)))
   assert float(losses[-200:].mean()) < float(losses[:50].mean())  # it trains
 
@@ -331,8 +328,9 @@ def test_constraints_hold_after_many_noisy_steps(method, cnn_problem):
       u = state.momentum[layer]["kernel"]
       assert u.shape == w.shape
       p_w, p_xi = c.momentum_vector((w, aux.slack), u)
-      tangency = float(jnp.max(jnp.abs(jnp.sum(w * p_w, axis=tuple(range(w.ndim - 1)))
-                                       + p_xi.reshape(-1) * aux.slack.reshape(-1))))
+      tangency = float(
+        jnp.max(jnp.abs(jnp.sum(w * p_w, axis=tuple(range(w.ndim - 1))) + p_xi.reshape(-1) * aux.slack.reshape(-1)))
+      )
       assert tangency <= 1e-5 * max(1.0, float(jnp.max(jnp.abs(u)))), (layer, tangency)
   assert on_boundary > 0  # some units near the bound |w_j| = r
   residuals = cola.constraint_residuals(params, state)
@@ -378,8 +376,10 @@ def _sphere_moments(x, n):
 
 def _z_scores(statistics):
   """z = (mean - exact) / s.e. for i.i.d. samples (each row a statistic)."""
-  return {name: (values.mean() - exact) / (values.std(ddof=1) / math.sqrt(values.size))
-          for name, (values, exact) in statistics.items()}
+  return {
+    name: (values.mean() - exact) / (values.std(ddof=1) / math.sqrt(values.size))
+    for name, (values, exact) in statistics.items()
+  }
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 6])
@@ -393,7 +393,7 @@ def test_uniform_sphere_formulas(n):
     assert stats.kstest(x[i], _marginal_cdf(n)).pvalue > ACCEPT
   # The Beta CDF is the integral of the density (1 - t^2)^{(n-2)/2}.
   if n >= 2:
-    density = lambda t: (1 - t * t) ** ((n - 2) / 2)  # noqa: E731
+    density = lambda t: (1 - t * t) ** ((n - 2) / 2)
     total = integrate.quad(density, -1, 1)[0]
     for t in (-0.7, -0.1, 0.3, 0.9):
       assert abs(integrate.quad(density, -1, t)[0] / total - _marginal_cdf(n)(t)) < 1e-8
@@ -403,10 +403,8 @@ def test_uniform_sphere_formulas(n):
 # n = 3 (a Dense-like column), n = 4 (a conv-like kernel, two reduced axes).
 SHAPES = {1: ((1,), 0), 3: ((3,), None), 4: ((2, 2), None)}
 SPHERE_FREE = {
-    "quick": dict(r=0.5, tau=0.25, gamma=1.0, units=20_000,
-                  od=dict(h=0.01, steps=1_000), ud=dict(h=0.05, steps=400)),
-    "slow": dict(r=0.5, tau=0.25, gamma=1.0, units=400_000,
-                 od=dict(h=0.01, steps=2_000), ud=dict(h=0.05, steps=800)),
+  "quick": dict(r=0.5, tau=0.25, gamma=1.0, units=20_000, od=dict(h=0.01, steps=1_000), ud=dict(h=0.05, steps=400)),
+  "slow": dict(r=0.5, tau=0.25, gamma=1.0, units=400_000, od=dict(h=0.01, steps=2_000), ud=dict(h=0.05, steps=800)),
 }
 SIZES = [pytest.param("quick", id="quick"), pytest.param("slow", id="slow", marks=pytest.mark.slow)]
 
@@ -420,8 +418,7 @@ def _free_samples(method, cfg, n, steps, seed):
   if method == "od":
     tx = cola.cola_od(cfg["h"], constraints=constraint, temperature=cfg["tau"], key=key)
   else:
-    tx = cola.cola_ud(cfg["h"], friction=cfg["gamma"], constraints=constraint,
-                      temperature=cfg["tau"], key=key)
+    tx = cola.cola_ud(cfg["h"], friction=cfg["gamma"], constraints=constraint, temperature=cfg["tau"], key=key)
 
   def body(carry, _):
     params, state = carry

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+
 @pytest.fixture(scope="module")
 def spiral(load_benchmark):
   return load_benchmark("spiral")
@@ -24,8 +25,21 @@ def test_json_schema(spiral, smoke_run):
   data = json.loads((out / "spiral.json").read_text())
   assert data == json.loads(json.dumps(returned))
 
-  for key in ("schema_version", "config", "methods", "depths", "seeds", "results", "summary",
-              "command", "argv", "date", "machine", "versions", "wall_time_s"):
+  for key in (
+    "schema_version",
+    "config",
+    "methods",
+    "depths",
+    "seeds",
+    "results",
+    "summary",
+    "command",
+    "argv",
+    "date",
+    "machine",
+    "versions",
+    "wall_time_s",
+  ):
     assert key in data, key
   assert data["argv"][0] == "--smoke"
   assert data["versions"]["jax"]

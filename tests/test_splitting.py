@@ -22,8 +22,9 @@ def exact_mean():
 
 def sampled_mean(splitting, h, gamma, *, chains=100_000, burn_in=400, kept=400):
   """Mean of theta over independent chains and the kept steps, and its standard error."""
-  tx = cola.cola_ud(h, friction=gamma, constraints=cola.Circle(R), temperature=TAU,
-                    key=jax.random.key(0), splitting=splitting)
+  tx = cola.cola_ud(
+    h, friction=gamma, constraints=cola.Circle(R), temperature=TAU, key=jax.random.key(0), splitting=splitting
+  )
 
   def step(carry, _):
     theta, state = carry
@@ -66,12 +67,14 @@ def test_baoab_without_noise_or_friction_is_velocity_verlet():
   np.testing.assert_allclose(state.momentum - h / 2 * omega2 * q, p_ref, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("constraints", [
-    cola.circle_constraints(0.1), cola.orthogonal_constraints()], ids=["circle", "orthogonal"])
+@pytest.mark.parametrize(
+  "constraints", [cola.circle_constraints(0.1), cola.orthogonal_constraints()], ids=["circle", "orthogonal"]
+)
 def test_baoab_keeps_the_constraints(constraints, mlp_problem):
   params, loss = mlp_problem
-  tx = cola.cola_ud(0.1, friction=1.0, constraints=constraints, temperature=1e-5,
-                    key=jax.random.key(0), splitting="BAOAB")
+  tx = cola.cola_ud(
+    0.1, friction=1.0, constraints=constraints, temperature=1e-5, key=jax.random.key(0), splitting="BAOAB"
+  )
 
   def step(carry, i):
     p, s = carry

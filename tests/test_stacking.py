@@ -13,8 +13,9 @@ from cola_jax import transforms
 def deep_params(key):
   shapes = [(6, 12), (12, 12), (12, 12), (12, 12), (3, 3, 2, 12), (12, 12), (12, 4)]
   keys = jax.random.split(key, len(shapes))
-  params = {f"layer{i}": jax.random.normal(k, s) / np.sqrt(np.prod(s[:-1]))
-            for i, (k, s) in enumerate(zip(keys, shapes))}
+  params = {
+    f"layer{i}": jax.random.normal(k, s) / np.sqrt(np.prod(s[:-1])) for i, (k, s) in enumerate(zip(keys, shapes))
+  }
   return cola.project_params(params, cola.Orthogonal())
 
 
@@ -33,23 +34,30 @@ def run(tx, params, steps=20):
   return params, state
 
 
-@pytest.mark.parametrize("make", [
+@pytest.mark.parametrize(
+  "make",
+  [
     lambda: cola.cola_od(0.05, constraints=cola.Orthogonal(), temperature=1e-3, key=jax.random.key(1)),
-    lambda: cola.cola_ud(0.1, friction=1.0, constraints=cola.Orthogonal(), temperature=1e-3,
-                         key=jax.random.key(1)),
-], ids=["od", "ud"])
+    lambda: cola.cola_ud(0.1, friction=1.0, constraints=cola.Orthogonal(), temperature=1e-3, key=jax.random.key(1)),
+  ],
+  ids=["od", "ud"],
+)
 def test_stacked_equals_leaf_by_leaf(make, monkeypatch):
   params = deep_params(jax.random.key(0))
   monkeypatch.setattr(transforms, "_stacking_pays", lambda: True)  # as on an accelerator
   stacked_params, stacked_state = run(make(), params)
   monkeypatch.setattr(transforms, "_stacking_pays", lambda: False)  # as on CPU
   single_params, single_state = run(make(), params)
-  for path, a, b in zip(jax.tree_util.tree_flatten_with_path(stacked_params)[0],
-                        jax.tree.leaves(single_params), jax.tree.leaves(stacked_params)):
+  for path, a, b in zip(
+    jax.tree_util.tree_flatten_with_path(stacked_params)[0],
+    jax.tree.leaves(single_params),
+    jax.tree.leaves(stacked_params),
+  ):
     np.testing.assert_allclose(a, b, atol=2e-6, err_msg=jax.tree_util.keystr(path[0]))
   np.testing.assert_array_equal(  # iteration counts and convergence flags, leaf by leaf
-      np.array(jax.tree.leaves(single_state.constraint_states)),
-      np.array(jax.tree.leaves(stacked_state.constraint_states)))
+    np.array(jax.tree.leaves(single_state.constraint_states)),
+    np.array(jax.tree.leaves(stacked_state.constraint_states)),
+  )
   residuals = cola.constraint_residuals(stacked_params, stacked_state)
   assert max(float(r) for r in jax.tree.leaves(residuals)) <= 1e-5
 

@@ -61,8 +61,7 @@ def test_smoke_run_writes_the_documented_report(bench, tmp_path):
 
   # The ambient QR step differs from the paper's point at first order, the
   # nearest point at second order.
-  orders = {r["method"]: r["order"] for r in report["results"]
-            if r["kind"] == "em"}
+  orders = {r["method"]: r["order"] for r in report["results"] if r["kind"] == "em"}
   assert orders["qr_ambient"] == pytest.approx(1.0, abs=0.2)
   assert orders["polar"] > 1.7
 

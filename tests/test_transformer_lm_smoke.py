@@ -39,8 +39,23 @@ def test_json_schema(lm, smoke_run):
   out, returned = smoke_run
   data = json.loads((out / "transformer_lm.json").read_text())
   assert data == json.loads(json.dumps(returned))
-  for key in ("schema_version", "status", "config", "data", "methods", "seeds", "results", "summary",
-              "published", "command", "argv", "date", "machine", "versions", "wall_time_s"):
+  for key in (
+    "schema_version",
+    "status",
+    "config",
+    "data",
+    "methods",
+    "seeds",
+    "results",
+    "summary",
+    "published",
+    "command",
+    "argv",
+    "date",
+    "machine",
+    "versions",
+    "wall_time_s",
+  ):
     assert key in data, key
   assert data["status"] == "complete" and data["argv"][0] == "--smoke"
   assert data["data"]["synthetic"] is True and data["config"]["corpus_used"] == "synthetic"
@@ -54,8 +69,15 @@ def test_json_schema(lm, smoke_run):
   schedule = lm.eval_schedule(epochs * config["steps_per_epoch"], config["eval_every_steps"])
 
   for method, entry in data["results"].items():
-    for key in ("min_valid_loss", "final_valid_loss", "test_loss_at_min_valid", "final_test_loss",
-                "final_train_loss", "valid_loss_at_init", "min_valid_loss_epoch"):
+    for key in (
+      "min_valid_loss",
+      "final_valid_loss",
+      "test_loss_at_min_valid",
+      "final_test_loss",
+      "final_train_loss",
+      "valid_loss_at_init",
+      "min_valid_loss_epoch",
+    ):
       values = entry[key]
       assert isinstance(values, list) and len(values) == n_seeds, (method, key)
       assert all(isinstance(v, float) and math.isfinite(v) and v >= 0 for v in values), (method, key)
@@ -189,9 +211,36 @@ def test_windows_follow_batchify(lm):
 def test_tokenizer_and_vocab_round_trip(lm):
   line = "And the LORD's word came unto Abram, saying: Fear not; (I am thy shield.) 'Tis the fathers' land?"
   tokens = lm.tokenize(line)
-  assert tokens == ["and", "the", "lord", "'s", "word", "came", "unto", "abram", ",", "saying", ":", "fear",
-                    "not", ";", "(", "i", "am", "thy", "shield", ".", ")", "'", "tis", "the", "fathers", "'",
-                    "land", "?"]
+  assert tokens == [
+    "and",
+    "the",
+    "lord",
+    "'s",
+    "word",
+    "came",
+    "unto",
+    "abram",
+    ",",
+    "saying",
+    ":",
+    "fear",
+    "not",
+    ";",
+    "(",
+    "i",
+    "am",
+    "thy",
+    "shield",
+    ".",
+    ")",
+    "'",
+    "tis",
+    "the",
+    "fathers",
+    "'",
+    "land",
+    "?",
+  ]
   assert lm.tokenize(" ".join(tokens)) == tokens  # idempotent: the tokens are the corpus's words
   assert "".join(tokens) == "".join(line.lower().split())  # nothing dropped but spaces
   vocab = lm.Vocab.from_tokens([tokens, ["the", "the", "unto"]], cap=6)
@@ -209,10 +258,13 @@ def test_kjv_split_and_missing_corpus(lm, tmp_path):
   train, valid, test = lm.split_kjv(verses)
   assert (len(train), len(valid), len(test)) == (3600, 200, 200)
   assert valid[:2] == ["verse 1800", "verse 1801"] and test[0] == "verse 1900" and train[1800] == "verse 2000"
-  (tmp_path / "kjv.txt").write_text("Ge1:1 In the beginning God created the heaven and the earth.\n"
-                                    "Ge1:2 And the earth was without form, and void.\n")
-  assert lm.kjv_verses(str(tmp_path)) == ["In the beginning God created the heaven and the earth.",
-                                          "And the earth was without form, and void."]
+  (tmp_path / "kjv.txt").write_text(
+    "Ge1:1 In the beginning God created the heaven and the earth.\nGe1:2 And the earth was without form, and void.\n"
+  )
+  assert lm.kjv_verses(str(tmp_path)) == [
+    "In the beginning God created the heaven and the earth.",
+    "And the earth was without form, and void.",
+  ]
   empty = tmp_path / "empty"
   empty.mkdir()
   with pytest.raises(FileNotFoundError, match="apt-get install bible-kjv"):

@@ -79,10 +79,10 @@ def test_mapped_hyperparameters_reproduce_sgd_momentum(mlp_problem):
 # Keys and determinism.
 
 NOISY = {
-    "c_cola_od": lambda key: cola.c_cola_od(0.05, radius=0.5, temperature=1e-3, key=key),
-    "c_cola_ud": lambda key: cola.c_cola_ud(0.3, friction=1.0, radius=0.5, temperature=1e-3, key=key),
-    "o_cola_od": lambda key: cola.o_cola_od(0.05, temperature=1e-4, key=key),
-    "o_cola_ud": lambda key: cola.o_cola_ud(0.1, friction=1.0, temperature=1e-4, key=key),
+  "c_cola_od": lambda key: cola.c_cola_od(0.05, radius=0.5, temperature=1e-3, key=key),
+  "c_cola_ud": lambda key: cola.c_cola_ud(0.3, friction=1.0, radius=0.5, temperature=1e-3, key=key),
+  "o_cola_od": lambda key: cola.o_cola_od(0.05, temperature=1e-4, key=key),
+  "o_cola_ud": lambda key: cola.o_cola_ud(0.1, friction=1.0, temperature=1e-4, key=key),
 }
 
 
@@ -157,10 +157,15 @@ def test_vmap_over_keys_runs_independent_seeds(name, mlp_problem):
 
 def test_inject_hyperparams_matches_the_plain_transform(mlp_problem):
   params, loss = mlp_problem
-  constraints = {"layer0": {"w": cola.Circle(0.5), "b": None}, "layer1": {"w": cola.Orthogonal(), "b": None}, "layer2": None}
+  constraints = {
+    "layer0": {"w": cola.Circle(0.5), "b": None},
+    "layer1": {"w": cola.Orthogonal(), "b": None},
+    "layer2": None,
+  }
   key = jax.random.key(5)
   injected = optax.inject_hyperparams(cola.cola_ud)(
-      learning_rate=0.3, friction=1.0, temperature=1e-4, key=key, constraints=constraints)
+    learning_rate=0.3, friction=1.0, temperature=1e-4, key=key, constraints=constraints
+  )
   plain = cola.cola_ud(0.3, friction=1.0, temperature=1e-4, key=key, constraints=constraints)
   a, state = run(injected, params, loss, 20)
   b, _ = run(plain, params, loss, 20)
@@ -172,7 +177,8 @@ def test_inject_hyperparams_schedule_anneals_temperature_to_zero(mlp_problem):
   params, loss = mlp_problem
   schedule = optax.linear_schedule(1e-3, 0.0, transition_steps=5)
   tx = optax.inject_hyperparams(cola.c_cola_od)(
-      learning_rate=0.05, radius=0.5, temperature=schedule, key=jax.random.key(0))
+    learning_rate=0.05, radius=0.5, temperature=schedule, key=jax.random.key(0)
+  )
   annealed, state = run(tx, params, loss, 10)
   # optax's linear schedule ends a rounding error below zero (-1.5e-11 in float32);
   # the transform reads it as 0 instead of taking the square root of a negative.
@@ -326,8 +332,8 @@ def test_per_layer_radii_none_frees_a_layer_and_callables_work(mlp_problem):
   for x, y in zip(jax.tree.leaves(new), jax.tree.leaves(by_callable)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   masked, state = run(
-      cola.c_cola_od(0.1, radius=0.1, mask={"layer0": True, "layer1": False, "layer2": False}),
-      params, loss, 5)
+    cola.c_cola_od(0.1, radius=0.1, mask={"layer0": True, "layer1": False, "layer2": False}), params, loss, 5
+  )
   assert state.constraint_states["layer1"]["w"] is None
   assert state.constraint_states["layer0"]["b"] is not None  # the mask includes layer0's bias
 
@@ -353,8 +359,10 @@ def test_project_params_puts_constrained_leaves_on_the_manifold(mlp_problem):
 def test_low_precision_parameters_keep_their_dtype_and_the_constraint(dtype, mlp_problem):
   params, loss = mlp_problem
   low = jax.tree.map(lambda p: p.astype(dtype), params)
-  for tx in (cola.c_cola_ud(0.3, friction=1.0, radius=0.2, temperature=1e-5, key=jax.random.key(0)),
-             cola.o_cola_od(0.05, temperature=1e-6, key=jax.random.key(0))):
+  for tx in (
+    cola.c_cola_ud(0.3, friction=1.0, radius=0.2, temperature=1e-5, key=jax.random.key(0)),
+    cola.o_cola_od(0.05, temperature=1e-6, key=jax.random.key(0)),
+  ):
     new, state = run(tx, low, lambda p, i: loss(jax.tree.map(lambda x: x.astype(jnp.float32), p), i), 50)
     assert all(x.dtype == dtype for x in jax.tree.leaves(new))
     residual = max(float(r) for r in jax.tree.leaves(cola.constraint_residuals(new, state)))

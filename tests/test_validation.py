@@ -18,13 +18,14 @@ INF, NAN = float("inf"), float("nan")
 
 # Every transform and alias, built with keyword overrides of its hyperparameters.
 FACTORIES = {
-    "cola_od": lambda **kw: cola.cola_od(kw.pop("learning_rate", 0.1), **kw),
-    "cola_ud": lambda **kw: cola.cola_ud(kw.pop("learning_rate", 0.1), friction=kw.pop("friction", 1.0), **kw),
-    "c_cola_od": lambda **kw: cola.c_cola_od(kw.pop("learning_rate", 0.1), radius=kw.pop("radius", 0.1), **kw),
-    "c_cola_ud": lambda **kw: cola.c_cola_ud(
-        kw.pop("learning_rate", 0.1), friction=kw.pop("friction", 1.0), radius=kw.pop("radius", 0.1), **kw),
-    "o_cola_od": lambda **kw: cola.o_cola_od(kw.pop("learning_rate", 0.1), **kw),
-    "o_cola_ud": lambda **kw: cola.o_cola_ud(kw.pop("learning_rate", 0.1), friction=kw.pop("friction", 1.0), **kw),
+  "cola_od": lambda **kw: cola.cola_od(kw.pop("learning_rate", 0.1), **kw),
+  "cola_ud": lambda **kw: cola.cola_ud(kw.pop("learning_rate", 0.1), friction=kw.pop("friction", 1.0), **kw),
+  "c_cola_od": lambda **kw: cola.c_cola_od(kw.pop("learning_rate", 0.1), radius=kw.pop("radius", 0.1), **kw),
+  "c_cola_ud": lambda **kw: cola.c_cola_ud(
+    kw.pop("learning_rate", 0.1), friction=kw.pop("friction", 1.0), radius=kw.pop("radius", 0.1), **kw
+  ),
+  "o_cola_od": lambda **kw: cola.o_cola_od(kw.pop("learning_rate", 0.1), **kw),
+  "o_cola_ud": lambda **kw: cola.o_cola_ud(kw.pop("learning_rate", 0.1), friction=kw.pop("friction", 1.0), **kw),
 }
 UNDERDAMPED = ("cola_ud", "c_cola_ud", "o_cola_ud")
 ORTHOGONAL = ("o_cola_od", "o_cola_ud")
@@ -35,12 +36,12 @@ def _cases(argument, values, owners):
 
 
 HYPERPARAMETER_CASES = (
-    _cases("learning_rate", [INF, -INF, NAN, 0.0, -0.1, 1e400], FACTORIES)
-    + _cases("temperature", [INF, NAN, -1e-3], FACTORIES)
-    + _cases("friction", [INF, NAN, -1.0], UNDERDAMPED)
-    + _cases("radius", [INF, NAN, 0.0, -1.0], ("c_cola_od", "c_cola_ud"))
-    + _cases("tolerance", [INF, NAN, 0.0], ORTHOGONAL)
-    + _cases("max_iterations", [INF, NAN, 0, 2.5, -3], ORTHOGONAL)
+  _cases("learning_rate", [INF, -INF, NAN, 0.0, -0.1, 1e400], FACTORIES)
+  + _cases("temperature", [INF, NAN, -1e-3], FACTORIES)
+  + _cases("friction", [INF, NAN, -1.0], UNDERDAMPED)
+  + _cases("radius", [INF, NAN, 0.0, -1.0], ("c_cola_od", "c_cola_ud"))
+  + _cases("tolerance", [INF, NAN, 0.0], ORTHOGONAL)
+  + _cases("max_iterations", [INF, NAN, 0, 2.5, -3], ORTHOGONAL)
 )
 
 
@@ -53,19 +54,20 @@ def test_every_transform_refuses_a_bad_number_at_construction(owner, argument, v
 
 
 CONSTRAINT_CASES = [
-    (lambda v: cola.Circle(v), "Circle: radius", [INF, NAN, 0.0, -1.0]),
-    (lambda v: cola.Sphere(v), "Sphere: radius", [INF, NAN, 0.0]),
-    (lambda v: cola.Orthogonal(tolerance=v), "Orthogonal: tolerance", [INF, NAN, 0.0]),
-    (lambda v: cola.Orthogonal(reproject_above=v), "Orthogonal: reproject_above", [INF, NAN, -1.0]),
-    (lambda v: cola.Orthogonal(max_iterations=v), "Orthogonal: max_iterations", [INF, -INF, NAN, 0, 1.5]),
-    (lambda v: cola.Implicit(equality=jnp.sum, tolerance=v), "Implicit: tolerance", [INF, NAN, 0.0]),
-    (lambda v: cola.Implicit(equality=jnp.sum, max_iterations=v), "Implicit: max_iterations", [INF, NAN, 0]),
+  (lambda v: cola.Circle(v), "Circle: radius", [INF, NAN, 0.0, -1.0]),
+  (lambda v: cola.Sphere(v), "Sphere: radius", [INF, NAN, 0.0]),
+  (lambda v: cola.Orthogonal(tolerance=v), "Orthogonal: tolerance", [INF, NAN, 0.0]),
+  (lambda v: cola.Orthogonal(reproject_above=v), "Orthogonal: reproject_above", [INF, NAN, -1.0]),
+  (lambda v: cola.Orthogonal(max_iterations=v), "Orthogonal: max_iterations", [INF, -INF, NAN, 0, 1.5]),
+  (lambda v: cola.Implicit(equality=jnp.sum, tolerance=v), "Implicit: tolerance", [INF, NAN, 0.0]),
+  (lambda v: cola.Implicit(equality=jnp.sum, max_iterations=v), "Implicit: max_iterations", [INF, NAN, 0]),
 ]
 
 
 @pytest.mark.parametrize(
-    "make, message, value",
-    [pytest.param(make, message, v, id=f"{message}={v!r}") for make, message, vs in CONSTRAINT_CASES for v in vs])
+  "make, message, value",
+  [pytest.param(make, message, v, id=f"{message}={v!r}") for make, message, vs in CONSTRAINT_CASES for v in vs],
+)
 def test_every_constraint_refuses_a_bad_number_at_construction(make, message, value):
   with pytest.raises(ValueError, match=message):
     make(value)
@@ -105,7 +107,8 @@ def test_traced_hyperparameters_pass_construction():
 
   params = {"w": jnp.full((2, 2), 0.05)}
   np.testing.assert_allclose(
-      jax.jit(first_update)(0.1, 0.1, params)["w"], first_update(0.1, 0.1, params)["w"], rtol=1e-6)
+    jax.jit(first_update)(0.1, 0.1, params)["w"], first_update(0.1, 0.1, params)["w"], rtol=1e-6
+  )
 
 
 # Schedules that reach or cross zero.
@@ -116,9 +119,8 @@ def test_schedule_ending_at_zero_or_rounding_below_it_moves_nothing(owner):
   """A learning rate of 0 (cosine decay's end) or just below (linear_schedule's rounding) moves nothing."""
   params = {"w": jnp.linspace(-0.3, 0.3, 6).reshape(3, 2) * 0.2, "b": jnp.ones(2)}
   for value in (0.0, -1.5e-9):
-    schedule = lambda count, value=value: jnp.where(count < 1, 0.05, value)  # noqa: E731
-    tx = FACTORIES[owner](learning_rate=schedule, temperature=lambda count: jnp.asarray(1e-3),
-                          key=jax.random.key(0))
+    schedule = lambda count, value=value: jnp.where(count < 1, 0.05, value)
+    tx = FACTORIES[owner](learning_rate=schedule, temperature=lambda count: jnp.asarray(1e-3), key=jax.random.key(0))
     state = tx.init(params)
     grads = jax.tree.map(jnp.ones_like, params)
 
@@ -138,8 +140,7 @@ def test_schedule_ending_at_zero_or_rounding_below_it_moves_nothing(owner):
 def test_inject_hyperparams_accepts_a_schedule_value_of_zero():
   """inject_hyperparams passes a schedule's value as an array: zero is valid there."""
   params = {"w": jnp.full((3, 2), 0.05)}
-  tx = optax.inject_hyperparams(cola.c_cola_od)(
-      learning_rate=optax.cosine_decay_schedule(0.1, 1), radius=0.1)
+  tx = optax.inject_hyperparams(cola.c_cola_od)(learning_rate=optax.cosine_decay_schedule(0.1, 1), radius=0.1)
   state = tx.init(params)
   grads = jax.tree.map(jnp.ones_like, params)
   _, state = tx.update(grads, state, params)
@@ -169,7 +170,9 @@ def test_gradient_of_another_shape_is_an_error_naming_grads_and_the_leaf(owner, 
 def test_none_gradient_for_an_array_is_an_error_naming_the_leaf(owner):
   tx = FACTORIES[owner]()
   grads = {"dense": {"kernel": None, "bias": jnp.zeros(2)}}
-  with pytest.raises(TypeError, match=re.escape("grads['dense']['kernel'] is None, but params['dense']['kernel'] is an array")):
+  with pytest.raises(
+    TypeError, match=re.escape("grads['dense']['kernel'] is None, but params['dense']['kernel'] is an array")
+  ):
     tx.update(grads, tx.init(PARAMS), PARAMS)
 
 
@@ -227,24 +230,38 @@ def test_masked_and_partition_groups_that_select_nothing_are_no_ops(owner):
   updates, _ = masked.update(grads, masked.init(PARAMS), PARAMS)
   assert jax.tree.all(jax.tree.map(lambda u, g: bool(jnp.all(u == g)), updates, grads))  # masked out: unchanged
   partition = optax.partition(
-      {"cola": FACTORIES[owner](), "sgd": optax.sgd(0.1)}, jax.tree.map(lambda _: "sgd", PARAMS))
+    {"cola": FACTORIES[owner](), "sgd": optax.sgd(0.1)}, jax.tree.map(lambda _: "sgd", PARAMS)
+  )
   updates, _ = partition.update(grads, partition.init(PARAMS), PARAMS)
   reference, _ = optax.sgd(0.1).update(grads, optax.sgd(0.1).init(PARAMS))
   assert jax.tree.all(jax.tree.map(lambda u, r: bool(jnp.all(u == r)), updates, reference))
 
 
-ZERO_SIZE = {"circle": jnp.zeros((0, 3)), "orthogonal_tall": jnp.zeros((3, 0)),
-             "orthogonal_wide": jnp.zeros((0, 4)), "sphere": jnp.zeros((2, 0, 3)), "kept": jnp.full((3, 2), 0.05)}
-ZERO_SIZE_CONSTRAINTS = {"circle": cola.Circle(0.1), "orthogonal_tall": cola.Orthogonal(),
-                         "orthogonal_wide": cola.Orthogonal(), "sphere": cola.Sphere(1.0), "kept": cola.Circle(0.1)}
+ZERO_SIZE = {
+  "circle": jnp.zeros((0, 3)),
+  "orthogonal_tall": jnp.zeros((3, 0)),
+  "orthogonal_wide": jnp.zeros((0, 4)),
+  "sphere": jnp.zeros((2, 0, 3)),
+  "kept": jnp.full((3, 2), 0.05),
+}
+ZERO_SIZE_CONSTRAINTS = {
+  "circle": cola.Circle(0.1),
+  "orthogonal_tall": cola.Orthogonal(),
+  "orthogonal_wide": cola.Orthogonal(),
+  "sphere": cola.Sphere(1.0),
+  "kept": cola.Circle(0.1),
+}
 
 
-@pytest.mark.parametrize("make", [
+@pytest.mark.parametrize(
+  "make",
+  [
     lambda: cola.cola_od(0.1, constraints=ZERO_SIZE_CONSTRAINTS),
     lambda: cola.cola_ud(0.1, friction=1.0, constraints=ZERO_SIZE_CONSTRAINTS, splitting="BAOAB"),
-    lambda: cola.cola_ud(0.1, friction=1.0, constraints=ZERO_SIZE_CONSTRAINTS, temperature=1e-3,
-                         key=jax.random.key(0)),
-], ids=["cola_od", "cola_ud_baoab", "cola_ud_noisy"])
+    lambda: cola.cola_ud(0.1, friction=1.0, constraints=ZERO_SIZE_CONSTRAINTS, temperature=1e-3, key=jax.random.key(0)),
+  ],
+  ids=["cola_od", "cola_ud_baoab", "cola_ud_noisy"],
+)
 def test_zero_size_leaves_pass_as_in_optax(make):
   tx = make()
   grads = jax.tree.map(jnp.ones_like, ZERO_SIZE)
@@ -279,9 +296,13 @@ def test_state_initialised_for_parameters_of_other_shapes_is_an_error(owner):
     # Nothing in these states is shaped like a parameter: the state fits any shapes.
     tx.update(grads, state, PARAMS)
     return
-  with pytest.raises(ValueError, match=re.escape(
+  with pytest.raises(
+    ValueError,
+    match=re.escape(
       "state for params['dense']['kernel'] holds an array of shape (2, 3) where a parameter "
-      "of shape (3, 2) needs (3, 2)")):
+      "of shape (3, 2) needs (3, 2)"
+    ),
+  ):
     tx.update(grads, state, PARAMS)
 
 

@@ -11,10 +11,17 @@ def parser(description: str, *, seeds: int, epochs: int, out: str, smoke: str) -
   p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--seeds", type=int, default=seeds, help="number of seeds, 0..seeds-1 (all trained at once)")
   p.add_argument("--epochs", type=int, default=epochs, help="training epochs")
-  p.add_argument("--eval-every", type=int, default=None,
-                 help="epochs between evaluations (must divide --epochs); default about epochs/20")
-  p.add_argument("--out", default=None,
-                 help=f"output folder for the JSON and PNG; default {out} (a --smoke run: a new temporary folder)")
+  p.add_argument(
+    "--eval-every",
+    type=int,
+    default=None,
+    help="epochs between evaluations (must divide --epochs); default about epochs/20",
+  )
+  p.add_argument(
+    "--out",
+    default=None,
+    help=f"output folder for the JSON and PNG; default {out} (a --smoke run: a new temporary folder)",
+  )
   p.add_argument("--smoke", action="store_true", help=f"a tiny run for tests: {smoke}")
   p.add_argument("--quiet", action="store_true", help="no progress bar")
   return p
@@ -49,10 +56,12 @@ def int_list(text: str) -> list[int]:
 
 def choices(allowed):
   """A parser of a comma list of names from ``allowed``, kept in ``allowed``'s order."""
+
   def parse(text: str) -> tuple:
     names = [s.strip() for s in text.split(",") if s.strip()]
     unknown = [n for n in names if n not in allowed]
     if unknown or not names:
       raise argparse.ArgumentTypeError(f"unknown {unknown or text!r}; choose from {', '.join(allowed)}")
     return tuple(n for n in allowed if n in names)
+
   return parse

@@ -18,6 +18,7 @@ import numpy as np
 
 class Dataset(NamedTuple):
   """Training and test arrays plus a JSON-ready description of where they came from."""
+
   x_train: np.ndarray
   y_train: np.ndarray
   x_test: np.ndarray
@@ -43,8 +44,7 @@ def spiral_points(rng: np.random.Generator, n: int, noise: float = 0.02, turns: 
   return x.astype(np.float32), labels.astype(np.float32)
 
 
-def spiral(n_train: int = 500, n_test: int = 1000, *, noise: float = 0.02, turns: int = 4,
-           seed: int = 0) -> Dataset:
+def spiral(n_train: int = 500, n_test: int = 1000, *, noise: float = 0.02, turns: int = 4, seed: int = 0) -> Dataset:
   """The paper's 4-turn spiral (Sec. 4): independent training and test draws from ``seed``."""
   train_rng, test_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
   x_tr, y_tr = spiral_points(train_rng, n_train, noise, turns)
@@ -56,12 +56,17 @@ def spiral(n_train: int = 500, n_test: int = 1000, *, noise: float = 0.02, turns
 # ----------------------------------------------------------------------------- Fashion-MNIST
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
-IDX_FILES = {"train_images": "train-images-idx3-ubyte", "train_labels": "train-labels-idx1-ubyte",
-             "test_images": "t10k-images-idx3-ubyte", "test_labels": "t10k-labels-idx1-ubyte"}
+IDX_FILES = {
+  "train_images": "train-images-idx3-ubyte",
+  "train_labels": "train-labels-idx1-ubyte",
+  "test_images": "t10k-images-idx3-ubyte",
+  "test_labels": "t10k-labels-idx1-ubyte",
+}
 FASHION_MNIST_HINT = (
-    "Install Debian's package (`apt-get install dataset-fashion-mnist`, files under "
-    f"{FASHION_MNIST_DIR}) or pass --data-dir DIR with the four IDX files "
-    f"{', '.join(IDX_FILES.values())} (each may be gzipped, '.gz').")
+  "Install Debian's package (`apt-get install dataset-fashion-mnist`, files under "
+  f"{FASHION_MNIST_DIR}) or pass --data-dir DIR with the four IDX files "
+  f"{', '.join(IDX_FILES.values())} (each may be gzipped, '.gz')."
+)
 
 
 def read_idx(path: str) -> np.ndarray:
@@ -72,7 +77,7 @@ def read_idx(path: str) -> np.ndarray:
   zero, dtype_code, ndim = struct.unpack(">HBB", raw[:4])
   if zero != 0 or dtype_code != 0x08:
     raise ValueError(f"{path}: not an unsigned-byte IDX file")
-  shape = struct.unpack(f">{ndim}I", raw[4:4 + 4 * ndim])
+  shape = struct.unpack(f">{ndim}I", raw[4 : 4 + 4 * ndim])
   data = np.frombuffer(raw, np.uint8, offset=4 + 4 * ndim)
   if data.size != math.prod(shape):
     raise ValueError(f"{path}: expected {math.prod(shape)} values, found {data.size}")
@@ -106,8 +111,15 @@ def synthetic_images(n_train: int, n_test: int, seed: int = 0):
   return draw(n_train), draw(n_test)
 
 
-def fashion_mnist(data_dir: str | None = None, n_train: int = 10_000, n_test: int = 60_000, *,
-                  test_from: str = "rest", allow_synthetic: bool = False, synthetic: bool = False) -> Dataset:
+def fashion_mnist(
+  data_dir: str | None = None,
+  n_train: int = 10_000,
+  n_test: int = 60_000,
+  *,
+  test_from: str = "rest",
+  allow_synthetic: bool = False,
+  synthetic: bool = False,
+) -> Dataset:
   """Fashion-MNIST as ``(n, 28, 28)`` float32 images in [0, 1] and int32 labels.
 
   Training set: the first ``n_train`` official training images. Test set
@@ -123,8 +135,11 @@ def fashion_mnist(data_dir: str | None = None, n_train: int = 10_000, n_test: in
     if not (allow_synthetic or synthetic):
       raise FileNotFoundError(f"Fashion-MNIST IDX files not found in {directory}. {FASHION_MNIST_HINT}")
     (x_tr, y_tr), (x_te, y_te) = synthetic_images(n_train, n_test)
-    info = {"source": "SYNTHETIC stand-in (class prototypes + noise, Fashion-MNIST's shapes); "
-                      "not Fashion-MNIST: numbers are meaningless for the paper", "synthetic": True}
+    info = {
+      "source": "SYNTHETIC stand-in (class prototypes + noise, Fashion-MNIST's shapes); "
+      "not Fashion-MNIST: numbers are meaningless for the paper",
+      "synthetic": True,
+    }
   else:
     arrays = {k: read_idx(p) for k, p in paths.items()}
     x_all, y_all = arrays["train_images"], arrays["train_labels"].astype(np.int32)
@@ -133,19 +148,27 @@ def fashion_mnist(data_dir: str | None = None, n_train: int = 10_000, n_test: in
       raise ValueError(f"{directory}: images and labels disagree in number")
     if test_from == "rest":
       pool_x, pool_y = np.concatenate([x_all[n_train:], x_off]), np.concatenate([y_all[n_train:], y_off])
-      described = (f"official training images {n_train}..{len(x_all) - 1}, then official test images "
-                   f"0..{len(x_off) - 1}; the first {n_test} of these")
+      described = (
+        f"official training images {n_train}..{len(x_all) - 1}, then official test images "
+        f"0..{len(x_off) - 1}; the first {n_test} of these"
+      )
     elif test_from == "official":
       pool_x, pool_y = x_off, y_off
       described = f"official test images 0..{n_test - 1}"
     else:
       raise ValueError(f"test_from must be 'rest' or 'official', got {test_from!r}")
     if n_test > len(pool_x) or n_train > len(x_all):
-      raise ValueError(f"n_train = {n_train}, n_test = {n_test}: only {len(x_all)} training and "
-                       f"{len(pool_x)} test images available")
+      raise ValueError(
+        f"n_train = {n_train}, n_test = {n_test}: only {len(x_all)} training and {len(pool_x)} test images available"
+      )
     x_tr, y_tr, x_te, y_te = x_all[:n_train], y_all[:n_train], pool_x[:n_test], pool_y[:n_test]
-    info = {"source": "fashion-mnist IDX", "synthetic": False, "files": paths,
-            "train": f"official training images 0..{n_train - 1}", "test": described}
+    info = {
+      "source": "fashion-mnist IDX",
+      "synthetic": False,
+      "files": paths,
+      "train": f"official training images 0..{n_train - 1}",
+      "test": described,
+    }
   scale = lambda x: (x.reshape(len(x), 28, 28) / np.float32(255)).astype(np.float32)
   return Dataset(scale(x_tr), y_tr, scale(x_te), y_te, info)
 
@@ -166,6 +189,11 @@ def digits(n_train: int = 500, *, seed: int = 0) -> Dataset:
   order = np.random.default_rng(seed).permutation(len(x))
   x = (x / 16.0).astype(np.float32)[order]
   y = y.astype(np.int32)[order]
-  info = {"source": "scikit-learn load_digits (8x8, 10 classes)", "synthetic": False, "split_seed": seed,
-          "train": f"{n_train} random images", "test": f"the other {len(x) - n_train} images"}
+  info = {
+    "source": "scikit-learn load_digits (8x8, 10 classes)",
+    "synthetic": False,
+    "split_seed": seed,
+    "train": f"{n_train} random images",
+    "test": f"the other {len(x) - n_train} images",
+  }
   return Dataset(x[:n_train], y[:n_train], x[n_train:], y[n_train:], info)

@@ -29,6 +29,7 @@ def torch_uniform(fan_in: int) -> Initializer:
 
 class Dense(nn.Module):
   """``x @ kernel + bias``, kernel ``(fan_in, features)``; PyTorch's init unless ``kernel_init``."""
+
   features: int
   kernel_init: Initializer | None = None
 
@@ -43,6 +44,7 @@ class Dense(nn.Module):
 class MLP(nn.Module):
   """Dense layers ``layer0 .. layer{n-1}`` of ``widths`` (the last one the output), ``activation``
   between them. ``kernel_init(i)`` gives layer ``i``'s kernel initializer (None: PyTorch's)."""
+
   widths: Sequence[int]
   activation: Callable = nn.relu
   kernel_init: Callable[[int], Initializer | None] = lambda i: None

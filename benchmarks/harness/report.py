@@ -33,8 +33,10 @@ def entry(history: Mapping[str, np.ndarray], finals: Sequence[str] = ()) -> dict
   return out
 
 
-def summary(entry_: dict, keys=("test_accuracy", "test_loss", "best_test_accuracy", "min_test_loss",
-                                "train_accuracy", "train_loss")) -> dict:
+def summary(
+  entry_: dict,
+  keys=("test_accuracy", "test_loss", "best_test_accuracy", "min_test_loss", "train_accuracy", "train_loss"),
+) -> dict:
   """``{key}_mean``/``{key}_std`` over the seeds of each key of a method's entry."""
   return mean_std_fields(entry_, [k for k in keys if k in entry_])
 
@@ -42,8 +44,7 @@ def summary(entry_: dict, keys=("test_accuracy", "test_loss", "best_test_accurac
 def table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
   """A plain-text table, the first column left-aligned and the others right-aligned."""
   widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-  line = lambda r: "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
-                             for i, (c, w) in enumerate(zip(r, widths)))
+  line = lambda r: "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
   return "\n".join([line(header), "-" * len(line(header)), *map(line, rows)])
 
 
@@ -53,11 +54,18 @@ def pm(values, scale: float = 1.0, digits: int = 3) -> str:
   return f"{scale * mean:.{digits}f} ± {scale * std:.{digits}f}"
 
 
-def plot_curves(path: str, panels: Sequence[tuple[str, str]], results: Mapping[str, dict],
-                labels: Mapping[str, str], title: str, log_y: Sequence[str] = ()) -> None:
+def plot_curves(
+  path: str,
+  panels: Sequence[tuple[str, str]],
+  results: Mapping[str, dict],
+  labels: Mapping[str, str],
+  title: str,
+  log_y: Sequence[str] = (),
+) -> None:
   """One panel per ``(history key, y label)``: each method's mean over seeds against the epoch,
   with a band of one standard deviation."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
@@ -69,8 +77,9 @@ def plot_curves(path: str, panels: Sequence[tuple[str, str]], results: Mapping[s
       mean, std = np.nanmean(values, axis=1), np.nanstd(values, axis=1)
       ax.plot(h["epoch"], mean, color=f"C{i}", label=labels.get(method, method))
       ax.fill_between(h["epoch"], mean - std, mean + std, color=f"C{i}", alpha=0.15)
-    ax.set(xlabel="epoch", ylabel=ylabel + (" (%)" if "accuracy" in key else ""),
-           yscale="log" if key in log_y else "linear")
+    ax.set(
+      xlabel="epoch", ylabel=ylabel + (" (%)" if "accuracy" in key else ""), yscale="log" if key in log_y else "linear"
+    )
     ax.grid(alpha=0.3)
   axes[0][0].legend(fontsize=9)
   fig.suptitle(title)
@@ -82,6 +91,7 @@ def plot_curves(path: str, panels: Sequence[tuple[str, str]], results: Mapping[s
 def progress(total: int, quiet: bool):
   """A tqdm bar over ``total`` chunks (silent with ``quiet``)."""
   from tqdm.auto import tqdm
+
   return tqdm(total=total, unit="chunk", disable=quiet, dynamic_ncols=True)
 
 

@@ -26,14 +26,18 @@ from .data import Dataset
 
 class Objective(NamedTuple):
   """Per-example ``loss(outputs, y)`` and ``correct(outputs, y)`` (1.0 where right)."""
+
   loss: Callable
   correct: Callable
 
 
-SOFTMAX = Objective(optax.softmax_cross_entropy_with_integer_labels,
-                    lambda logits, y: (jnp.argmax(logits, -1) == y).astype(jnp.float32))
-BINARY = Objective(lambda logit, y: optax.sigmoid_binary_cross_entropy(logit[..., 0], y),
-                   lambda logit, y: ((logit[..., 0] > 0) == (y > 0.5)).astype(jnp.float32))
+SOFTMAX = Objective(
+  optax.softmax_cross_entropy_with_integer_labels, lambda logits, y: (jnp.argmax(logits, -1) == y).astype(jnp.float32)
+)
+BINARY = Objective(
+  lambda logit, y: optax.sigmoid_binary_cross_entropy(logit[..., 0], y),
+  lambda logit, y: ((logit[..., 0] > 0) == (y > 0.5)).astype(jnp.float32),
+)
 
 
 def seed_keys(seed):
@@ -43,8 +47,11 @@ def seed_keys(seed):
 
 def projection_fallbacks(opt_state) -> jax.Array:
   """How many orthogonal leaves of ``opt_state`` fell back to the polar factor this step."""
-  infos = [leaf for leaf in jax.tree.leaves(opt_state, is_leaf=lambda n: isinstance(n, cola.ProjectionInfo))
-           if isinstance(leaf, cola.ProjectionInfo)]
+  infos = [
+    leaf
+    for leaf in jax.tree.leaves(opt_state, is_leaf=lambda n: isinstance(n, cola.ProjectionInfo))
+    if isinstance(leaf, cola.ProjectionInfo)
+  ]
   return sum((jnp.sum(~info.converged) for info in infos), jnp.zeros((), jnp.int32))
 
 
@@ -88,9 +95,20 @@ class Run:
       largest weight or the orthogonality defect.
   """
 
-  def __init__(self, *, init_params, apply_fn, make_tx, objective: Objective, data: Dataset,
-               members: Mapping[str, Sequence], batch_size: int, eval_every: int,
-               eval_batch: int = 10_000, probes: Callable | None = None):
+  def __init__(
+    self,
+    *,
+    init_params,
+    apply_fn,
+    make_tx,
+    objective: Objective,
+    data: Dataset,
+    members: Mapping[str, Sequence],
+    batch_size: int,
+    eval_every: int,
+    eval_batch: int = 10_000,
+    probes: Callable | None = None,
+  ):
     self.members = {k: jnp.asarray(v) for k, v in members.items()}
     if "seed" not in self.members:
       raise ValueError("members must include 'seed'")
@@ -119,24 +137,29 @@ class Run:
         idx, w = batch
         loss, grads = jax.value_and_grad(loss_fn)(params, x_train[idx], y_train[idx], w)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state,
-                fallbacks + projection_fallbacks(opt_state)), loss
+        return (optax.apply_updates(params, updates), opt_state, fallbacks + projection_fallbacks(opt_state)), loss
 
       def epoch(inner, key):
         order = jnp.concatenate([jax.random.permutation(key, n), jnp.zeros(pad, jnp.int32)])
         weight = (jnp.arange(steps * batch_size) < n).astype(jnp.float32)
-        inner, losses = jax.lax.scan(step, inner, (order.reshape(steps, batch_size),
-                                                   weight.reshape(steps, batch_size)))
+        inner, losses = jax.lax.scan(step, inner, (order.reshape(steps, batch_size), weight.reshape(steps, batch_size)))
         return inner, jnp.mean(losses)
 
       shuffle_key, epoch_keys = jax.random.split(shuffle_key)
       (params, opt_state, fallbacks), batch_losses = jax.lax.scan(
-          epoch, (params, opt_state, fallbacks), jax.random.split(epoch_keys, eval_every))
+        epoch, (params, opt_state, fallbacks), jax.random.split(epoch_keys, eval_every)
+      )
       train_loss, train_acc = evaluate(apply_fn, objective, params, x_train, y_train, eval_batch)
       test_loss, test_acc = evaluate(apply_fn, objective, params, x_test, y_test, eval_batch)
-      metrics = dict(train_loss=train_loss, train_accuracy=train_acc, test_loss=test_loss,
-                     test_accuracy=test_acc, epoch_mean_batch_loss=batch_losses[-1],
-                     projection_fallbacks=fallbacks, **(probes(params) if probes else {}))
+      metrics = dict(
+        train_loss=train_loss,
+        train_accuracy=train_acc,
+        test_loss=test_loss,
+        test_accuracy=test_acc,
+        epoch_mean_batch_loss=batch_losses[-1],
+        projection_fallbacks=fallbacks,
+        **(probes(params) if probes else {}),
+      )
       return (params, opt_state, shuffle_key, fallbacks), metrics
 
     # Op by op: jitted, the vmapped init of ten orthogonal (QR) kernels hung on XLA's CPU backend.

@@ -10,7 +10,20 @@ from cola_jax.constraints.sphere import Sphere, SphereState
 from cola_jax.constraints.unit_norm import UnitNorm, UnitNormState
 
 __all__ = [
-    "Box", "BoxState", "Circle", "CircleState", "Constraint", "Euclidean", "Implicit",
-    "ImplicitState", "NonNegative", "NonNegativeState", "Orthogonal", "ProjectionInfo", "Sphere",
-    "SphereState", "UnitNorm", "UnitNormState",
+  "Box",
+  "BoxState",
+  "Circle",
+  "CircleState",
+  "Constraint",
+  "Euclidean",
+  "Implicit",
+  "ImplicitState",
+  "NonNegative",
+  "NonNegativeState",
+  "Orthogonal",
+  "ProjectionInfo",
+  "Sphere",
+  "SphereState",
+  "UnitNorm",
+  "UnitNormState",
 ]

@@ -9,10 +9,9 @@ row-major order of the other axes) so that the geometry of one part can be
 
 import math
 import operator
-from typing import Optional
 
 
-def normalize(owner: str, name: str, value) -> Optional[tuple[int, ...]]:
+def normalize(owner: str, name: str, value) -> tuple[int, ...] | None:
   """``None``, or ``value`` (an int or a sequence of ints) as a non-empty tuple without repeats."""
   if value is None:
     return None
@@ -45,14 +44,15 @@ def resolve(where: str, shape: tuple[int, ...], **named: tuple[int, ...]) -> dic
     bad = [a for a in axes if not -ndim <= a < ndim]
     if bad:
       raise ValueError(
-          f"{where}: {name}={axes!r} is out of range for a leaf of rank {ndim} "
-          f"(axes count from -{ndim} to {ndim - 1}).")
+        f"{where}: {name}={axes!r} is out of range for a leaf of rank {ndim} (axes count from -{ndim} to {ndim - 1})."
+      )
     resolved = tuple(sorted(a % ndim for a in axes))
     for a in resolved:
       if a in seen:
         raise ValueError(
-            f"{where}: axis {a} is named twice ({seen[a]} and {name}); "
-            f"{', '.join(f'{k}={v!r}' for k, v in named.items())}.")
+          f"{where}: axis {a} is named twice ({seen[a]} and {name}); "
+          f"{', '.join(f'{k}={v!r}' for k, v in named.items())}."
+        )
       seen[a] = name
     out[name] = resolved
   return out
@@ -67,7 +67,7 @@ def others(ndim: int, *groups: tuple[int, ...]) -> tuple[int, ...]:
 def to_parts(x, batch: tuple[int, ...], part: tuple[int, ...]):
   """``x`` with the ``batch`` axes flattened to one leading axis, then the ``part`` axes."""
   moved = x.transpose(batch + part)
-  return moved.reshape((math.prod(x.shape[a] for a in batch),) + moved.shape[len(batch):])
+  return moved.reshape((math.prod(x.shape[a] for a in batch),) + moved.shape[len(batch) :])
 
 
 def from_parts(parts, shape: tuple[int, ...], batch: tuple[int, ...], part: tuple[int, ...]):

@@ -66,8 +66,9 @@ def _check_bound(name: str, value) -> None:
     raise TypeError(f"Box: {name} must be a number, got {value!r}.")
   if jnp.ndim(value) != 0:
     raise ValueError(
-        f"Box: {name} must be a scalar (one bound for every entry of the leaf), got "
-        f"shape {jnp.shape(value)}; per-entry bounds are not supported.")
+      f"Box: {name} must be a scalar (one bound for every entry of the leaf), got "
+      f"shape {jnp.shape(value)}; per-entry bounds are not supported."
+    )
   x = concrete_float(value)
   if x is not None and not math.isfinite(x):
     raise ValueError(f"Box: {name} must be finite, got {value!r}.")
@@ -105,11 +106,9 @@ class Box(Constraint):
     lower, upper = concrete_float(self.lower), concrete_float(self.upper)
     if lower is not None and upper is not None:
       if not lower < upper:
-        raise ValueError(
-            f"Box: lower must be below upper, got lower={self.lower!r}, upper={self.upper!r}.")
+        raise ValueError(f"Box: lower must be below upper, got lower={self.lower!r}, upper={self.upper!r}.")
       if not math.isfinite(upper - lower):
-        raise ValueError(
-            f"Box: upper - lower must be finite, got lower={self.lower!r}, upper={self.upper!r}.")
+        raise ValueError(f"Box: upper - lower must be finite, got lower={self.lower!r}, upper={self.upper!r}.")
     # c and r from the bounds as given (Python floats: in double precision), so
     # that Box(-r, r) hands Circle the very same radius.
     object.__setattr__(self, "_center", (self.lower + self.upper) / 2)
@@ -130,8 +129,7 @@ class Box(Constraint):
     theta, state = self._circle.unpack(point, param)
     dtype = theta.dtype
     # c + theta can round past a bound when c + r is not exactly upper.
-    w = jnp.clip(theta + self._shift(dtype), jnp.asarray(self.lower, dtype),
-                 jnp.asarray(self.upper, dtype))
+    w = jnp.clip(theta + self._shift(dtype), jnp.asarray(self.lower, dtype), jnp.asarray(self.upper, dtype))
     return w, BoxState(slack=state.slack, center=self._shift(dtype), radius=state.radius)
 
   # The rest is the circle's: a shift changes no gradient, noise or direction.

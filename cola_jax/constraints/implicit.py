@@ -101,7 +101,8 @@ References:
 import dataclasses
 import functools
 import math
-from typing import Callable, NamedTuple, Optional, Union
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -131,8 +132,8 @@ def _or_per_unit(method):
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["slack", "iterations", "converged"], meta_fields=["constraint"])
+  jax.tree_util.register_dataclass, data_fields=["slack", "iterations", "converged"], meta_fields=["constraint"]
+)
 @dataclasses.dataclass(frozen=True)
 class ImplicitState:
   """Auxiliary state of a leaf under an :class:`Implicit` constraint.
@@ -212,12 +213,12 @@ class Implicit(Constraint):
     ...     equality=lambda w: jnp.stack([w.sum(), jnp.sum(w**2) - 1]), axis=0)
   """
 
-  equality: Optional[Callable] = None
-  inequality: Optional[Callable] = None
+  equality: Callable | None = None
+  inequality: Callable | None = None
   tolerance: float = 1e-6
   max_iterations: int = 20
   quasi_newton: bool = False
-  axis: Union[None, int, tuple[int, ...]] = None
+  axis: tuple[int, ...] | None = None  # an int is accepted and stored as a tuple
 
   stack_same_shape = True  # small dense solves in loops: batch same-shape leaves
 
@@ -255,8 +256,8 @@ class Implicit(Constraint):
         raise ValueError(f"{where}: {name}(x) must return one array, got {out!r}.")
       if not jnp.issubdtype(out.dtype, jnp.floating):
         raise ValueError(
-            f"{where}: {name}(x) returns dtype {out.dtype}; it must be floating point "
-            "(a smooth function of x).")
+          f"{where}: {name}(x) returns dtype {out.dtype}; it must be floating point (a smooth function of x)."
+        )
       sizes[name] = math.prod(out.shape)
     m = sum(sizes.values())
     if m == 0:
@@ -264,8 +265,9 @@ class Implicit(Constraint):
     coordinates = math.prod(shape) + sizes.get("inequality", 0)
     if m > coordinates:
       raise ValueError(
-          f"{where}: {m} constraint components for {coordinates} coordinates "
-          "(leaf entries and slacks); G G^T cannot be invertible.")
+        f"{where}: {m} constraint components for {coordinates} coordinates "
+        "(leaf entries and slacks); G G^T cannot be invertible."
+      )
 
   def _slack_shape(self, shape, dtype):
     if self.inequality is None:
@@ -301,9 +303,9 @@ class Implicit(Constraint):
     moved = z_n + step
     if quasi_newton:
       factor = jax.scipy.linalg.cho_factor(_matmul(g_n, g_n.T))
-      newton_step = lambda q, gq: jax.scipy.linalg.cho_solve(factor, gq)  # noqa: E731
+      newton_step = lambda q, gq: jax.scipy.linalg.cho_solve(factor, gq)
     else:
-      newton_step = lambda q, gq: jnp.linalg.solve(_matmul(jacobian(q), g_n.T), gq)  # noqa: E731
+      newton_step = lambda q, gq: jnp.linalg.solve(_matmul(jacobian(q), g_n.T), gq)
 
     def not_done(carry):
       _, _, gq, k = carry
@@ -317,8 +319,7 @@ class Implicit(Constraint):
       return lam, q, g(q), k + 1
 
     lam0 = jnp.zeros(g_n.shape[0], z_n.dtype)
-    lam, q, gq, k = jax.lax.while_loop(
-        not_done, iterate, (lam0, moved, g(moved), jnp.zeros((), jnp.int32)))
+    lam, q, gq, k = jax.lax.while_loop(not_done, iterate, (lam0, moved, g(moved), jnp.zeros((), jnp.int32)))
     converged = (jnp.max(jnp.abs(gq)) <= self.tolerance) & jnp.all(jnp.isfinite(q))
     impulse = _matmul(g_n.T, jnp.where(converged, lam, jnp.zeros_like(lam)))
     return jnp.where(converged, q, z_n), impulse, k, converged
@@ -328,8 +329,7 @@ class Implicit(Constraint):
 
   def _unflat(self, z, like, iterations, converged):
     n = like.x.size
-    return ImplicitPoint(z[:n].reshape(like.x.shape), z[n:].reshape(like.slack.shape),
-                         iterations, converged)
+    return ImplicitPoint(z[:n].reshape(like.x.shape), z[n:].reshape(like.slack.shape), iterations, converged)
 
   # The Constraint interface.
 
@@ -339,8 +339,7 @@ class Implicit(Constraint):
       slack = jnp.zeros((0,), param.dtype)
     else:
       slack = jnp.sqrt(jnp.maximum(-self.inequality(param).astype(param.dtype), 0))
-    return ImplicitState(slack=slack, iterations=jnp.zeros((), jnp.int32),
-                         converged=jnp.array(True), constraint=self)
+    return ImplicitState(slack=slack, iterations=jnp.zeros((), jnp.int32), converged=jnp.array(True), constraint=self)
 
   @_or_per_unit
   def point(self, param, aux):
@@ -357,11 +356,10 @@ class Implicit(Constraint):
       return q, k, converged, jnp.array(False)
 
     z, k, converged, _ = jax.lax.while_loop(
-        lambda carry: carry[3], reproject,
-        (z, jnp.zeros((), jnp.int32), jnp.array(True), off))
+      lambda carry: carry[3], reproject, (z, jnp.zeros((), jnp.int32), jnp.array(True), off)
+    )
     n = param.size
-    return ImplicitPoint(z[:n].reshape(param.shape),
-                         z[n:].reshape(aux.slack.shape), k, converged)
+    return ImplicitPoint(z[:n].reshape(param.shape), z[n:].reshape(aux.slack.shape), k, converged)
 
   def nearest(self, param):
     """The parameter projected onto the manifold from itself (see the module docstring).
@@ -376,15 +374,17 @@ class Implicit(Constraint):
       failed = False
     if failed:
       raise ValueError(
-          f"Implicit: the parameter of shape {param.shape} could not be projected onto "
-          f"the manifold in {self.max_iterations} Newton iterations (max |g| = "
-          f"{float(self.init(param).residual(param)):.3g}); start closer to it.")
+        f"Implicit: the parameter of shape {param.shape} could not be projected onto "
+        f"the manifold in {self.max_iterations} Newton iterations (max |g| = "
+        f"{float(self.init(param).residual(param)):.3g}); start closer to it."
+      )
     return self.unpack(point, param)[0]
 
   @_or_per_unit
   def unpack(self, point, param):
-    return point.x, ImplicitState(slack=point.slack, iterations=point.iterations,
-                                  converged=point.converged, constraint=self)
+    return point.x, ImplicitState(
+      slack=point.slack, iterations=point.iterations, converged=point.converged, constraint=self
+    )
 
   @_or_per_unit
   def ambient_gradient(self, point, grad):
@@ -396,8 +396,7 @@ class Implicit(Constraint):
 
   @_or_per_unit
   def project(self, anchor, step):
-    q, _, k, converged = self._shake(
-        self._g(anchor.x.shape), self._flat(anchor), step, self.quasi_newton)
+    q, _, k, converged = self._shake(self._g(anchor.x.shape), self._flat(anchor), step, self.quasi_newton)
     return self._unflat(q, anchor, anchor.iterations + k, anchor.converged & converged)
 
   @_or_per_unit
@@ -415,8 +414,7 @@ class Implicit(Constraint):
   @_or_per_unit
   def zero_momentum(self, param):
     """The momentum is stored flat, ``(n + k,)``: the leaf's coordinates, then the slacks'."""
-    return jnp.zeros(param.size + math.prod(self._slack_shape(param.shape, param.dtype)),
-                     param.dtype)
+    return jnp.zeros(param.size + math.prod(self._slack_shape(param.shape, param.dtype)), param.dtype)
 
   @_or_per_unit
   def a_step(self, point, momentum, h):
@@ -431,8 +429,7 @@ class Implicit(Constraint):
     # Rejected: stay at q_n with the momentum reversed.
     q = jnp.where(accepted, q, z_n)
     new_momentum = jnp.where(accepted, new_momentum, -momentum)
-    return (self._unflat(q, point, point.iterations + k, point.converged & accepted),
-            new_momentum)
+    return (self._unflat(q, point, point.iterations + k, point.converged & accepted), new_momentum)
 
   # Per unit (axis given): the whole-leaf geometry above applied to each unit,
   # jax.vmap-ed over the units, which are brought to one leading axis.
@@ -444,7 +441,7 @@ class Implicit(Constraint):
 
   def _unit_axes(self, ndim):
     """(other axes, unit axes) of a leaf of rank ``ndim``."""
-    unit = tuple(sorted(a % ndim for a in self.axis))
+    unit = tuple(sorted(a % ndim for a in self.axis or ()))
     return _axes.others(ndim, unit), unit
 
   def _units(self, x):
@@ -458,33 +455,36 @@ class Implicit(Constraint):
 
   def _unit_state(self, slack):
     unit = self._unit
-    return ImplicitState(slack=slack, iterations=jnp.zeros((), jnp.int32),
-                         converged=jnp.array(True), constraint=unit)
+    return ImplicitState(slack=slack, iterations=jnp.zeros((), jnp.int32), converged=jnp.array(True), constraint=unit)
 
   def _per_unit_residual(self, param, slack):
     slacks = self._unit_slacks(slack, param.ndim)
-    return jnp.max(jax.vmap(lambda x, s: self._unit_state(s).residual(x))(
-        self._units(param), slacks))
+    return jnp.max(jax.vmap(lambda x, s: self._unit_state(s).residual(x))(self._units(param), slacks))
 
   def _per_unit_init(self, param):
     slacks = jax.vmap(self._unit.init)(self._units(param)).slack
     other_shape = tuple(param.shape[a] for a in self._unit_axes(param.ndim)[0])
-    return ImplicitState(slack=slacks.reshape(other_shape + slacks.shape[1:]),
-                         iterations=jnp.zeros((), jnp.int32), converged=jnp.array(True),
-                         constraint=self)
+    return ImplicitState(
+      slack=slacks.reshape(other_shape + slacks.shape[1:]),
+      iterations=jnp.zeros((), jnp.int32),
+      converged=jnp.array(True),
+      constraint=self,
+    )
 
   def _per_unit_point(self, param, aux):
     slacks = self._unit_slacks(aux.slack, param.ndim)
-    return jax.vmap(lambda x, s: self._unit.point(x, self._unit_state(s)))(
-        self._units(param), slacks)
+    return jax.vmap(lambda x, s: self._unit.point(x, self._unit_state(s)))(self._units(param), slacks)
 
   def _per_unit_unpack(self, point, param):
     others, unit = self._unit_axes(param.ndim)
     other_shape = tuple(param.shape[a] for a in others)
     x = _axes.from_parts(point.x, param.shape, others, unit)
-    return x, ImplicitState(slack=point.slack.reshape(other_shape + point.slack.shape[1:]),
-                            iterations=jnp.max(point.iterations),
-                            converged=jnp.all(point.converged), constraint=self)
+    return x, ImplicitState(
+      slack=point.slack.reshape(other_shape + point.slack.shape[1:]),
+      iterations=jnp.max(point.iterations),
+      converged=jnp.all(point.converged),
+      constraint=self,
+    )
 
   def _per_unit_ambient_gradient(self, point, grad):
     return jax.vmap(self._unit.ambient_gradient)(point, self._units(grad))

@@ -164,7 +164,8 @@ def _nearest_abs_slack(m, beta, guess):
   m_plus = jnp.maximum(m, 0)
   tiny = jnp.finfo(m.dtype).tiny
   bound = jnp.sqrt(m_plus) + jnp.minimum(
-      _cube_root_above(beta / 2), beta / jnp.maximum(2 * jnp.abs(m) + 2 * m_plus, tiny))
+    _cube_root_above(beta / 2), beta / jnp.maximum(2 * jnp.abs(m) + 2 * m_plus, tiny)
+  )
   t = jnp.minimum(bound, jnp.where(f >= 0, guess, jnp.where(df > 0, jump, bound)))
   for _ in range(_NEWTON_ITERATIONS):
     t, _, _ = _newton_step(t, m, beta)

@@ -54,7 +54,7 @@ References:
 import dataclasses
 import functools
 import math
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -72,9 +72,8 @@ def _view_axes(ndim, row_axes, column_axes):
   """(batch, rows, columns) axes of a rank-``ndim`` leaf, non-negative and sorted."""
   if row_axes is None:
     return (), tuple(range(ndim - 1)), (ndim - 1,)
-  rows = tuple(sorted(a % ndim for a in _axes.normalize("tall_view", "row_axes", row_axes)))
-  columns = tuple(sorted(
-      a % ndim for a in _axes.normalize("tall_view", "column_axes", column_axes)))
+  rows = tuple(sorted(a % ndim for a in _axes.normalize("tall_view", "row_axes", row_axes) or ()))
+  columns = tuple(sorted(a % ndim for a in _axes.normalize("tall_view", "column_axes", column_axes) or ()))
   return _axes.others(ndim, rows, columns), rows, columns
 
 
@@ -90,7 +89,8 @@ def tall_view(w: jax.Array, row_axes=None, column_axes=None) -> jax.Array:
     batch, rows, columns = _view_axes(w.ndim, row_axes, column_axes)
     sizes = (math.prod(w.shape[a] for a in rows), math.prod(w.shape[a] for a in columns))
     matrix = _axes.to_parts(w, batch, rows + columns).reshape(
-        (math.prod(w.shape[a] for a in batch),) * bool(batch) + sizes)
+      (math.prod(w.shape[a] for a in batch),) * bool(batch) + sizes
+    )
   return matrix if matrix.shape[-2] >= matrix.shape[-1] else jnp.swapaxes(matrix, -1, -2)
 
 
@@ -146,21 +146,21 @@ def _polar_where(q: jax.Array, needed: jax.Array) -> jax.Array:
   iteration runs it only while some member of the batch needs it.
   """
   q, _ = jax.lax.while_loop(
-      lambda carry: carry[1], lambda carry: (polar_factor(carry[0]), jnp.array(False)),
-      (q, needed))
+    lambda carry: carry[1], lambda carry: (polar_factor(carry[0]), jnp.array(False)), (q, needed)
+  )
   return q
 
 
 _SOLVERS = {
-    "quasi_newton": stiefel_projection.quasi_newton_projection,
-    "newton": stiefel_projection.newton_multiplier_projection,
-    "square_root": stiefel_projection.square_root_projection,
+  "quasi_newton": stiefel_projection.quasi_newton_projection,
+  "newton": stiefel_projection.newton_multiplier_projection,
+  "square_root": stiefel_projection.square_root_projection,
 }
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["iterations", "converged"], meta_fields=["row_axes", "column_axes"])
+  jax.tree_util.register_dataclass, data_fields=["iterations", "converged"], meta_fields=["row_axes", "column_axes"]
+)
 @dataclasses.dataclass(frozen=True)
 class ProjectionInfo:
   """Diagnostics of a leaf's last projection onto the orthogonal manifold.
@@ -173,8 +173,8 @@ class ProjectionInfo:
 
   iterations: jax.Array  # quasi-Newton iterations used
   converged: jax.Array  # False: the tolerance was not met and the polar factor was used
-  row_axes: Optional[tuple[int, ...]] = None
-  column_axes: Optional[tuple[int, ...]] = None
+  row_axes: tuple[int, ...] | None = None
+  column_axes: tuple[int, ...] | None = None
 
   def residual(self, param: jax.Array) -> jax.Array:
     """``max |Q^T Q - I|`` over the leaf's matrices, computed in at least float32."""
@@ -203,10 +203,8 @@ def _per_matrix(*in_axes):
       if point.matrix.ndim == 2:
         out = method(self, point, *args)
       else:
-        out = jax.vmap(functools.partial(method, self),
-                       in_axes=(StiefelPoint(0, None), *in_axes))(point, *args)
-      return jax.tree.map(self._aggregate, out,
-                          is_leaf=lambda node: isinstance(node, ProjectionInfo))
+        out = jax.vmap(functools.partial(method, self), in_axes=(StiefelPoint(0, None), *in_axes))  # pyright: ignore[reportArgumentType](point, *args)
+      return jax.tree.map(self._aggregate, out, is_leaf=lambda node: isinstance(node, ProjectionInfo))
 
     return mapped
 
@@ -258,8 +256,8 @@ class Orthogonal(Constraint):
   max_iterations: int = 20
   reproject_above: float = 1e-3
   projection: str = "quasi_newton"
-  row_axes: Union[None, int, tuple[int, ...]] = None
-  column_axes: Union[None, int, tuple[int, ...]] = None
+  row_axes: tuple[int, ...] | None = None  # ints are accepted and stored as tuples
+  column_axes: tuple[int, ...] | None = None
 
   stack_same_shape = True
 
@@ -267,31 +265,34 @@ class Orthogonal(Constraint):
     check_positive("Orthogonal", "tolerance", self.tolerance)
     check_positive("Orthogonal", "reproject_above", self.reproject_above)
     if self.projection not in _SOLVERS:
-      raise ValueError(
-          f"Orthogonal: projection must be one of {tuple(_SOLVERS)}, got {self.projection!r}.")
+      raise ValueError(f"Orthogonal: projection must be one of {tuple(_SOLVERS)}, got {self.projection!r}.")
     check_positive_integer("Orthogonal", "max_iterations", self.max_iterations)
     rows = _axes.normalize("Orthogonal", "row_axes", self.row_axes)
     columns = _axes.normalize("Orthogonal", "column_axes", self.column_axes)
     if (rows is None) != (columns is None):
       raise ValueError(
-          "Orthogonal: give both row_axes and column_axes (every other axis is batched), "
-          f"or neither; got row_axes={self.row_axes!r}, column_axes={self.column_axes!r}.")
-    if rows is not None and set(rows) & set(columns):
-      raise ValueError(
-          f"Orthogonal: row_axes {self.row_axes!r} and column_axes {self.column_axes!r} "
-          "share an axis.")
+        "Orthogonal: give both row_axes and column_axes (every other axis is batched), "
+        f"or neither; got row_axes={self.row_axes!r}, column_axes={self.column_axes!r}."
+      )
+    if rows is not None and columns is not None and set(rows) & set(columns):
+      raise ValueError(f"Orthogonal: row_axes {self.row_axes!r} and column_axes {self.column_axes!r} share an axis.")
     object.__setattr__(self, "row_axes", rows)  # lists become tuples: hashable
     object.__setattr__(self, "column_axes", columns)
 
   def validate(self, param, path):
     if param.ndim < 2:
       raise ValueError(
-          f"Orthogonal constraint on the leaf at {path}, of shape {param.shape}: "
-          "it needs a matrix or a kernel (ndim >= 2). Leave biases and scales "
-          "unconstrained (None).")
-    if self.row_axes is not None:
-      _axes.resolve(f"Orthogonal constraint on the leaf at {path}, of shape {param.shape}",
-                    param.shape, row_axes=self.row_axes, column_axes=self.column_axes)
+        f"Orthogonal constraint on the leaf at {path}, of shape {param.shape}: "
+        "it needs a matrix or a kernel (ndim >= 2). Leave biases and scales "
+        "unconstrained (None)."
+      )
+    if self.row_axes is not None and self.column_axes is not None:
+      _axes.resolve(
+        f"Orthogonal constraint on the leaf at {path}, of shape {param.shape}",
+        param.shape,
+        row_axes=self.row_axes,
+        column_axes=self.column_axes,
+      )
 
   # The view: the leaf as the tall matrix Q, or a stack of them.
 
@@ -305,8 +306,7 @@ class Orthogonal(Constraint):
     """A matrix's or a stack's :class:`ProjectionInfo` as the leaf's; other nodes as they are."""
     if not isinstance(node, ProjectionInfo):
       return node
-    return ProjectionInfo(jnp.max(node.iterations), jnp.all(node.converged),
-                          self.row_axes, self.column_axes)
+    return ProjectionInfo(jnp.max(node.iterations), jnp.all(node.converged), self.row_axes, self.column_axes)
 
   # The manifold.
 
@@ -315,8 +315,12 @@ class Orthogonal(Constraint):
     return self._untall(_each(polar_factor, self._tall(param)), param)
 
   def init(self, param):
-    return ProjectionInfo(iterations=jnp.zeros((), jnp.int32), converged=jnp.array(True),
-                          row_axes=self.row_axes, column_axes=self.column_axes)
+    return ProjectionInfo(
+      iterations=jnp.zeros((), jnp.int32),
+      converged=jnp.array(True),
+      row_axes=self.row_axes,
+      column_axes=self.column_axes,
+    )
 
   def point(self, param, aux):
     return self._reproject(StiefelPoint(self._tall(param), aux))
@@ -336,8 +340,7 @@ class Orthogonal(Constraint):
     return self._tall(grad)
 
   def ambient_normal(self, key, point):
-    return _noise.normal(key, point.matrix.shape, point.matrix.dtype,
-                         out_sharding=explicit_sharding(point.matrix))
+    return _noise.normal(key, point.matrix.shape, point.matrix.dtype, out_sharding=explicit_sharding(point.matrix))
 
   @_per_matrix(0)
   def project(self, anchor, step):

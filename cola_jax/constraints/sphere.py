@@ -66,7 +66,7 @@ References:
 
 import dataclasses
 import operator
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -110,7 +110,7 @@ class SphereState(NamedTuple):
     return jnp.maximum(on_sphere, outside)
 
 
-def _normalize_axis(axis, owner: str = "Sphere") -> Optional[tuple[int, ...]]:
+def _normalize_axis(axis, owner: str = "Sphere") -> tuple[int, ...] | None:
   if axis is None:
     return None
   if isinstance(axis, (list, tuple)):
@@ -124,8 +124,7 @@ def _normalize_axis(axis, owner: str = "Sphere") -> Optional[tuple[int, ...]]:
     try:
       out.append(operator.index(a))
     except TypeError:
-      raise TypeError(
-          f"{owner}: axis must be None, an int or a tuple of ints, got {axis!r}.") from None
+      raise TypeError(f"{owner}: axis must be None, an int or a tuple of ints, got {axis!r}.") from None
   return tuple(out)
 
 
@@ -137,13 +136,14 @@ def _check_axis(owner: str, axis, param, path: str) -> None:
   bad = [a for a in axis if not -ndim <= a < ndim]
   if bad:
     raise ValueError(
-        f"{owner} constraint on the leaf at {path}, of shape {param.shape}: "
-        f"axis {bad[0] if len(bad) == 1 else tuple(bad)} is out of range for a leaf "
-        f"of rank {ndim} (axis={axis}).")
+      f"{owner} constraint on the leaf at {path}, of shape {param.shape}: "
+      f"axis {bad[0] if len(bad) == 1 else tuple(bad)} is out of range for a leaf "
+      f"of rank {ndim} (axis={axis})."
+    )
   if len({a % ndim for a in axis}) != len(axis):
     raise ValueError(
-        f"{owner} constraint on the leaf at {path}, of shape {param.shape}: "
-        f"axis {axis!r} names the same axis twice.")
+      f"{owner} constraint on the leaf at {path}, of shape {param.shape}: axis {axis!r} names the same axis twice."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +173,7 @@ class Sphere(Constraint):
   """
 
   radius: float
-  axis: Union[None, int, tuple[int, ...]] = None
+  axis: tuple[int, ...] | None = None  # an int is accepted and stored as a tuple
 
   def __post_init__(self):
     check_positive("Sphere", "radius", self.radius)
@@ -271,8 +271,8 @@ class Sphere(Constraint):
     w, xi = point
     key_w, key_xi = jax.random.split(key)
     return (
-        _noise.normal(key_w, w.shape, w.dtype, out_sharding=explicit_sharding(w)),
-        _noise.normal(key_xi, xi.shape, xi.dtype, out_sharding=explicit_sharding(xi)),
+      _noise.normal(key_w, w.shape, w.dtype, out_sharding=explicit_sharding(w)),
+      _noise.normal(key_xi, xi.shape, xi.dtype, out_sharding=explicit_sharding(xi)),
     )
 
   def project(self, anchor, step):

@@ -144,8 +144,7 @@ def _reduce(q_n, q_bar):
   return c, k
 
 
-def newton_multiplier_projection(q_n, q_bar, tolerance=1e-5, max_iterations=100, norm="fro",
-                                 max_sweeps=30):
+def newton_multiplier_projection(q_n, q_bar, tolerance=1e-5, max_iterations=100, norm="fro", max_sweeps=30):
   r"""Newton's method for the symmetric multiplier, in ``s x s`` space.
 
   From ``X = C`` (``Lambda = 0``, the paper's starting point) each step solves
@@ -225,8 +224,7 @@ def square_root_projection(q_n, q_bar, tolerance=1e-5, max_iterations=100, norm=
     return s + term, term, new_size, new_size / size, k
 
   one = jnp.ones((), p.dtype)
-  s, _, _, _, k = jax.lax.while_loop(
-      more_terms, add_term, (eye, eye, one, one, jnp.zeros((), jnp.int32)))
+  s, _, _, _, k = jax.lax.while_loop(more_terms, add_term, (eye, eye, one, one, jnp.zeros((), jnp.int32)))
   s = _sym(s)
   if q_n.shape[0] > q_n.shape[1]:  # square: K = I up to the anchor's rounding, nothing left
     residual = lambda s: _sym(_mm(s - a, s + a)) - k_mat

@@ -47,7 +47,6 @@ References:
 import dataclasses
 import functools
 import math
-from typing import Union
 
 import jax
 import jax.numpy as jnp
@@ -58,8 +57,7 @@ from cola_jax.constraints.base import Constraint
 from cola_jax.constraints.sphere import Sphere, _check_axis, _normalize_axis
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["radius"], meta_fields=["axes"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["radius"], meta_fields=["axes"])
 @dataclasses.dataclass(frozen=True)
 class UnitNormState:
   """Auxiliary state of a unit-norm leaf: nothing but what the residual needs."""
@@ -102,7 +100,7 @@ class UnitNorm(Constraint):
   """
 
   radius: float = 1.0
-  axis: Union[None, int, tuple[int, ...]] = None
+  axis: tuple[int, ...] | None = None  # an int is accepted and stored as a tuple
   # The sphere S^n whose equator xi = 0 this is: its axes, products and A step.
   _sphere: Sphere = dataclasses.field(init=False, repr=False, compare=False)
 
@@ -126,10 +124,11 @@ class UnitNorm(Constraint):
     n = math.prod(param.shape[a] for a in axes)
     if n < 2 and param.size > 0:
       raise ValueError(
-          f"UnitNorm constraint on the leaf at {path}, of shape {param.shape}: each unit "
-          f"has {n} entr{'y' if n == 1 else 'ies'} (the normed axes are {axes}), and "
-          f"|w| = r leaves {'only +-r' if n == 1 else 'nothing'} to train; norm more axes "
-          "(axis=0 for a vector) or leave the leaf free.")
+        f"UnitNorm constraint on the leaf at {path}, of shape {param.shape}: each unit "
+        f"has {n} entr{'y' if n == 1 else 'ies'} (the normed axes are {axes}), and "
+        f"|w| = r leaves {'only +-r' if n == 1 else 'nothing'} to train; norm more axes "
+        "(axis=0 for a vector) or leave the leaf free."
+      )
 
   def _dot(self, a, b):
     return self._sphere._dot(a, b)
@@ -150,8 +149,7 @@ class UnitNorm(Constraint):
   # The Constraint interface.
 
   def init(self, param):
-    return UnitNormState(radius=jnp.asarray(self.radius, param.dtype),
-                         axes=self._sphere._axes(param.ndim))
+    return UnitNormState(radius=jnp.asarray(self.radius, param.dtype), axes=self._sphere._axes(param.ndim))
 
   def point(self, param, aux):
     return self._onto_norm(param)
