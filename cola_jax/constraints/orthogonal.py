@@ -203,7 +203,8 @@ def _per_matrix(*in_axes):
       if point.matrix.ndim == 2:
         out = method(self, point, *args)
       else:
-        out = jax.vmap(functools.partial(method, self), in_axes=(StiefelPoint(0, None), *in_axes))  # pyright: ignore[reportArgumentType](point, *args)
+        in_axes_of_point = StiefelPoint(0, None)  # pyright: ignore[reportArgumentType]
+        out = jax.vmap(functools.partial(method, self), in_axes=(in_axes_of_point, *in_axes))(point, *args)
       return jax.tree.map(self._aggregate, out, is_leaf=lambda node: isinstance(node, ProjectionInfo))
 
     return mapped
