@@ -449,8 +449,8 @@ def test_zero_learning_rate_moves_nothing():
   ):
     new, _ = _run(tx, params, 3, lambda p: jax.tree.map(jnp.ones_like, p))
     np.testing.assert_array_equal(new["nn"], params["nn"])
-    for name in ("box", "un"):  # renormalisation may round, by an ulp at most
-      np.testing.assert_allclose(new[name], params[name], rtol=1.2e-7, atol=0)
+    for name in ("box", "un"):  # renormalisation may round, by a few ulps over three steps
+      np.testing.assert_allclose(new[name], params[name], rtol=4 * 1.2e-7, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

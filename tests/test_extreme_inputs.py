@@ -173,6 +173,7 @@ def test_non_finite_orthogonal_input_returns_nan_and_flagged():
     assert nan_shown and not converged, case
 
 
+@pytest.mark.slow  # quick profile: tests/test_properties.py draws these inputs
 @pytest.mark.parametrize("name", ["circle", "sphere", "implicit"])
 @pytest.mark.parametrize("method", ["od", "ud"])
 @pytest.mark.parametrize("where, value", [("grad", np.inf), ("grad", np.nan), ("param", np.inf), ("param", np.nan)])
@@ -212,6 +213,7 @@ def test_implicit_nearest_raises_for_a_non_finite_parameter():
 # Finite input of any size: on the manifold, or flagged
 
 
+@pytest.mark.slow  # quick profile: tests/test_properties.py draws these inputs
 @pytest.mark.parametrize("name", sorted({**CONSTRAINTS, **SOLVERS}))
 @pytest.mark.parametrize("method", ["od", "ud"])
 def test_finite_gradients_of_any_size_end_on_the_manifold_or_flagged(name, method):
@@ -293,6 +295,7 @@ def test_circle_a_step_turns_by_the_exact_angle_below_2_to_13_and_keeps_the_radi
 # A step size of exactly 0 (the end of optax.cosine_decay_schedule)
 
 
+@pytest.mark.slow  # quick profile: tests/test_properties.py draws these inputs
 @pytest.mark.parametrize("name", sorted(CONSTRAINTS))
 @pytest.mark.parametrize("method", ["od", "ud-OBA", "ud-BAOAB"])
 def test_zero_step_size_moves_nothing(name, method):
@@ -331,6 +334,7 @@ def test_zero_step_size_moves_nothing(name, method):
 DTYPES = [jnp.float16, jnp.bfloat16, jnp.float64]  # float32: every other test
 
 
+@pytest.mark.slow  # quick profile: tests/test_properties.py draws these inputs
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("name", ["circle", "sphere", "orthogonal", "implicit"])
 @pytest.mark.parametrize("method", ["od", "ud"])

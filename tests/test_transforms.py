@@ -85,8 +85,12 @@ NOISY = {
   "o_cola_ud": lambda key: cola.o_cola_ud(0.1, friction=1.0, temperature=1e-4, key=key),
 }
 
+def _one_quick(names, quick):
+  """``names`` as parameters, all but ``quick`` behind the slow marker (compilation dominates)."""
+  return [pytest.param(n) if n == quick else pytest.param(n, marks=pytest.mark.slow) for n in names]
 
-@pytest.mark.parametrize("name", sorted(NOISY))
+
+@pytest.mark.parametrize("name", _one_quick(sorted(NOISY), "c_cola_ud"))
 def test_same_key_is_bit_identical_and_other_keys_differ(name, mlp_problem):
   params, loss = mlp_problem
   a, _ = run(NOISY[name](jax.random.key(3)), params, loss, 20)
@@ -144,7 +148,7 @@ def test_jit_compiles_once(mlp_problem):
   assert len(traces) == 1
 
 
-@pytest.mark.parametrize("name", sorted(NOISY))
+@pytest.mark.parametrize("name", _one_quick(sorted(NOISY), "o_cola_ud"))
 def test_vmap_over_keys_runs_independent_seeds(name, mlp_problem):
   params, loss = mlp_problem
   keys = jax.random.split(jax.random.key(7), 3)

@@ -117,6 +117,12 @@ class Box(Constraint):
   def _shift(self, dtype):
     return jnp.asarray(self._center, dtype)
 
+  def nearest(self, param):
+    """``param`` clipped to ``[lower, upper]`` (an in-range entry stays as it is); ``inf`` gives NaN."""
+    dtype = param.dtype
+    inside = jnp.clip(param, jnp.asarray(self.lower, dtype), jnp.asarray(self.upper, dtype))
+    return jnp.where(jnp.isinf(param), jnp.nan, inside)
+
   def init(self, param):
     state = self._circle.init(param - self._shift(param.dtype))
     return BoxState(slack=state.slack, center=self._shift(param.dtype), radius=state.radius)
