@@ -181,9 +181,7 @@ def _test(method, constraint_name, data, layouts):
 CASES = [pytest.param(m, c, id=f"{m}-{c}") for m in METHODS for c in CONSTRAINTS]
 # The quick profile takes every constraint once, the methods in turn (compilation
 # dominates); the long profile takes every pair.
-QUICK_CASES = [
-  pytest.param(m, c, id=f"{m}-{c}") for m, c in zip(list(METHODS) * len(CONSTRAINTS), CONSTRAINTS)
-]
+QUICK_CASES = [pytest.param(m, c, id=f"{m}-{c}") for m, c in zip(list(METHODS) * len(CONSTRAINTS), CONSTRAINTS)]
 
 
 @pytest.mark.parametrize("method, constraint_name", QUICK_CASES)

@@ -85,6 +85,7 @@ NOISY = {
   "o_cola_ud": lambda key: cola.o_cola_ud(0.1, friction=1.0, temperature=1e-4, key=key),
 }
 
+
 def _one_quick(names, quick):
   """``names`` as parameters, all but ``quick`` behind the slow marker (compilation dominates)."""
   return [pytest.param(n) if n == quick else pytest.param(n, marks=pytest.mark.slow) for n in names]
