@@ -48,8 +48,7 @@ from harness import cli, data, models, report, train
 
 SCHEMA_VERSION = 2
 RADII = {"layer0": 0.05, "layer1": 0.1}
-# Switch to cola.path_constraints({...}) once it lands.
-CONSTRAINTS = models.path_rules({f"{layer}/kernel": cola.Circle(r) for layer, r in RADII.items()})
+CONSTRAINTS = cola.path_constraints([(f"^{layer}/kernel$", cola.Circle(r)) for layer, r in RADII.items()])
 GRID = ((0.2, 0.8), (0.2, 0.7), (0.1, 0.9), (0.1, 0.8), (0.1, 0.7), (0.05, 0.95), (0.05, 0.9), (0.05, 0.8))
 WEIGHT_DECAY = 1e-4
 # Published test accuracy (%) and test loss after 400 epochs, mean of 5 runs: (h, mom) -> without, with WD.

@@ -25,6 +25,7 @@ vmapped batch. Usage::
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import sys
@@ -57,9 +58,10 @@ SMOKE = {"seeds": 2, "depths": [1, 3], "epochs": 4}
 LAST_RUN_PARAMS: dict = {}  # main() leaves LAST_RUN_PARAMS[method][depth] here (leading seed axis)
 
 
-def hidden(depth: int) -> str:
-  """The path rule of the hidden-to-hidden kernels, ``layer1`` .. ``layer{depth-1}``."""
-  return f"layer({'|'.join(str(i) for i in range(1, depth))})/kernel"
+def hidden_kernels(depth: int):
+  """The hidden-to-hidden kernels ``layer1`` .. ``layer{depth-1}`` orthogonal, every other leaf free."""
+  rules = [(f"^layer{i}/kernel$", cola.Orthogonal()) for i in range(1, depth)]
+  return cola.path_constraints(rules)
 
 
 def model(depth: int, orthogonal_init, width: int = 100) -> models.MLP:
@@ -84,8 +86,7 @@ def group_run(
   ``j * seeds + s`` is seed ``s`` of ``names[j]``."""
   standard, orthogonal = (model(depth, lambda i, o=o: o, width) for o in (False, True))
   constrained = model(depth, lambda i: 0 < i < depth, width)
-  # Switch to cola.path_constraints({hidden(depth): cola.Orthogonal()}) once it lands.
-  constraints = models.path_rules({hidden(depth): cola.Orthogonal()})
+  constraints = hidden_kernels(depth)
   x0 = dataset.x_train[:1]
 
   def init_params(key, member):
@@ -148,6 +149,12 @@ def parse_args(argv):
   p.add_argument("--temperature", type=float, default=1e-6, help="tau of ocola_od_tau")
   p.add_argument("--learning-rate", type=float, default=0.1, help="h of every method")
   p.add_argument("--data-seed", type=int, default=0, help="seed of the (shared) data set")
+  p.add_argument(
+    "--merge",
+    nargs="+",
+    metavar="JSON",
+    help="train nothing: join the spiral.json files of runs of one protocol that split its methods or depths",
+  )
   args = p.parse_args(argv)
   if args.smoke:
     args.seeds, args.depths, args.epochs = SMOKE["seeds"], SMOKE["depths"], SMOKE["epochs"]
@@ -205,11 +212,69 @@ def plot(results: dict, config: dict, path: str) -> None:
   plt.close(fig)
 
 
+def merge(paths: Sequence[str]) -> dict:
+  """One sweep's JSON from runs of the same protocol that each did some of the methods and depths."""
+  parts = [json.loads(pathlib.Path(path).read_text()) for path in paths]
+  split = ("depths", "methods")
+  fixed = {k: v for k, v in parts[0]["config"].items() if k not in split}
+  results = {}
+  for path, part in zip(paths, parts):
+    if {k: v for k, v in part["config"].items() if k not in split} != fixed:
+      raise SystemExit(f"--merge: {path} ran another protocol than {paths[0]}: {part['config']}")
+    for m, by_depth in part["results"].items():
+      if set(by_depth) & set(results.get(m, {})):
+        raise SystemExit(f"--merge: {path} repeats a depth of {m} that another run did")
+      results.setdefault(m, {}).update(by_depth)
+  methods = [m for m in METHOD_ORDER if m in results]
+  depths = sorted({int(d) for m in methods for d in results[m]})
+  missing = [f"{m} p={d}" for m in methods for d in depths if str(d) not in results[m]]
+  if missing:
+    raise SystemExit(f"--merge: no run did {', '.join(missing)}")
+  runs = [{k: part[k] for k in ("command", "date", "machine", "wall_time_s", "methods", "depths")} for part in parts]
+  return {
+    **parts[0],
+    "config": {**fixed, "depths": depths, "methods": methods},
+    "methods": {m: METHODS[m] for m in methods},
+    "depths": depths,
+    "results": results,
+    "merged_from": runs,
+    "wall_time_s": sum(run["wall_time_s"] for run in runs),
+  }
+
+
+def write(out: dict, out_dir: str) -> None:
+  """The JSON (with its summary), the PNG and the printed table of a sweep."""
+  config, results = out["config"], out["results"]
+  out["summary"] = {
+    m: {str(d): report.mean_std_fields(results[m][str(d)], ("test_accuracy", "train_loss")) for d in config["depths"]}
+    for m in config["methods"]
+  }
+  json_path, png_path = os.path.join(out_dir, "spiral.json"), os.path.join(out_dir, "spiral.png")
+  report.write_json(json_path, out)
+  plot(results, config, png_path)
+  rows = [
+    [
+      METHODS[m],
+      d,
+      report.pm(results[m][str(d)]["test_accuracy"], 100, 2),
+      report.pm(results[m][str(d)]["train_loss"], 1, 4),
+    ]
+    for m in config["methods"]
+    for d in config["depths"]
+  ]
+  print(report.table(rows, ["method", "depth", "test acc (%)", "train loss"]))
+  print(f"wall time {out['wall_time_s']:.1f} s; wrote {json_path} and {png_path}")
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
   """Runs the sweep; writes ``spiral.json`` and ``spiral.png`` under ``--out``; returns the JSON's dict."""
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(argv)
   out_dir = report.output_dir(args.out, "spiral")
+  if args.merge:
+    out = merge(args.merge)
+    write(out, out_dir)
+    return out
   start = time.perf_counter()
   dataset = data.spiral(seed=args.data_seed)
   groups = {g: [m for m in members if m in args.methods] for g, members in GROUPS.items()}
@@ -271,27 +336,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     "depths": list(args.depths),
     "seeds": list(range(args.seeds)),
     "results": results,
-    "summary": {
-      m: {str(d): report.mean_std_fields(results[m][str(d)], ("test_accuracy", "train_loss")) for d in args.depths}
-      for m in args.methods
-    },
     **report.provenance(argv, start, packages=("flax",)),
   }
-  json_path, png_path = os.path.join(out_dir, "spiral.json"), os.path.join(out_dir, "spiral.png")
-  report.write_json(json_path, out)
-  plot(results, config, png_path)
-  rows = [
-    [
-      METHODS[m],
-      d,
-      report.pm(results[m][str(d)]["test_accuracy"], 100, 2),
-      report.pm(results[m][str(d)]["train_loss"], 1, 4),
-    ]
-    for m in args.methods
-    for d in args.depths
-  ]
-  print(report.table(rows, ["method", "depth", "test acc (%)", "train loss"]))
-  print(f"wall time {out['wall_time_s']:.1f} s; wrote {json_path} and {png_path}")
+  write(out, out_dir)
   return out
 
 

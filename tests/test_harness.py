@@ -15,9 +15,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks
 from harness import cli, data, models, train
 
 
-def test_path_rules_match_whole_paths_first_rule_first():
+def test_mlp_paths_declare_constraints_first_rule_first():
   params = models.MLP((4, 4, 1)).init(jax.random.key(0), np.zeros((1, 3)))["params"]
-  rules = models.path_rules({"layer1/kernel": cola.Orthogonal(), "layer.*/kernel": cola.Circle(0.5)})
+  rules = cola.path_constraints([("^layer1/kernel$", cola.Orthogonal()), ("kernel", cola.Circle(0.5))])
   tree = rules(params)
   assert isinstance(tree["layer1"]["kernel"], cola.Orthogonal)
   assert tree["layer0"]["kernel"] == tree["layer2"]["kernel"] == cola.Circle(0.5)

@@ -1,17 +1,16 @@
-"""Flax linen models of the reproductions and the path rules that declare their constraints.
+"""Flax linen models of the reproductions.
 
 Layers take PyTorch's default initialisation unless told otherwise (weights and
 biases ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``, what the paper's code used) and
 name their parameters ``kernel`` and ``bias`` as Flax's own layers do, so a
-constraint is declared by the parameter's path, e.g. ``{"layer[1-8]/kernel":
-cola.Orthogonal()}``.
+constraint is declared by the parameter's path, e.g.
+``cola.path_constraints([("^layer[1-8]/kernel$", cola.Orthogonal())])``.
 """
 
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -57,28 +56,3 @@ class MLP(nn.Module):
         x = self.activation(x)
       x = Dense(width, kernel_init=self.kernel_init(i), name=f"layer{i}")(x)
     return x
-
-
-def param_path(path) -> str:
-  """``"layer1/kernel"`` for the key path of a parameter leaf."""
-  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-
-
-def path_rules(rules: Mapping[str, Any]) -> Callable[[Any], Any]:
-  """``params -> tree of constraints``: each leaf gets the value of the first rule whose regular
-  expression matches its whole path (``"layer1/kernel"``), ``None`` (free) where none does.
-
-  The callable goes to ``constraints=`` of ``cola.cola_od``/``cola.cola_ud``, or ``radius=``/``mask=``
-  of the named methods. It has the meaning of ``cola.path_constraints(rules)``, which replaces it
-  once available.
-  """
-  compiled = [(re.compile(pattern), value) for pattern, value in rules.items()]
-
-  def constraints(params):
-    def pick(path, _):
-      name = param_path(path)
-      return next((value for pattern, value in compiled if pattern.fullmatch(name)), None)
-
-    return jax.tree_util.tree_map_with_path(pick, params)
-
-  return constraints
