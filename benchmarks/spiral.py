@@ -212,8 +212,9 @@ def plot(results: dict, config: dict, path: str) -> None:
   plt.close(fig)
 
 
-def merge(paths: Sequence[str]) -> dict:
-  """One sweep's JSON from runs of the same protocol that each did some of the methods and depths."""
+def merge(paths: Sequence[str], argv: list) -> dict:
+  """One sweep's JSON from runs of the same protocol that each did some of the methods and depths;
+  the machine and versions are the first run's, the command and date the merge's."""
   parts = [json.loads(pathlib.Path(path).read_text()) for path in paths]
   split = ("depths", "methods")
   fixed = {k: v for k, v in parts[0]["config"].items() if k not in split}
@@ -238,6 +239,7 @@ def merge(paths: Sequence[str]) -> dict:
     "depths": depths,
     "results": results,
     "merged_from": runs,
+    **{k: v for k, v in report.provenance(argv, time.perf_counter()).items() if k in ("command", "argv", "date")},
     "wall_time_s": sum(run["wall_time_s"] for run in runs),
   }
 
@@ -272,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   args = parse_args(argv)
   out_dir = report.output_dir(args.out, "spiral")
   if args.merge:
-    out = merge(args.merge)
+    out = merge(args.merge, argv)
     write(out, out_dir)
     return out
   start = time.perf_counter()

@@ -2,6 +2,7 @@
 
 import json
 import math
+import pathlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -140,3 +141,47 @@ def test_bad_flags_are_refused(spiral):
     spiral.parse_args(["--depths", "0-3"])
   with pytest.raises(SystemExit):
     spiral.parse_args(["--epochs", "10", "--eval-every", "3"])
+
+
+def _part(data, methods, depths, path):
+  """The JSON a run of only ``methods`` at ``depths`` would have written (cut from the smoke run's)."""
+  part = json.loads(json.dumps(data))
+  part["config"].update(methods=list(methods), depths=list(depths))
+  part.update(depths=list(depths), methods={m: data["methods"][m] for m in methods})
+  part["results"] = {m: {str(d): data["results"][m][str(d)] for d in depths} for m in methods}
+  path.write_text(json.dumps(part))
+  return str(path)
+
+
+def test_merge_joins_runs_that_split_methods_and_depths(spiral, smoke_run, tmp_path):
+  out, data = smoke_run
+  data = json.loads((out / "spiral.json").read_text())
+  low, high = data["depths"]
+  parts = [
+    _part(data, ("sgd", "sgd_orth"), data["depths"], tmp_path / "a.json"),
+    _part(data, ("ocola_od", "ocola_od_tau"), [low], tmp_path / "b.json"),
+    _part(data, ("ocola_od", "ocola_od_tau"), [high], tmp_path / "c.json"),
+  ]
+  merged = spiral.main(["--merge", *parts, "--out", str(tmp_path / "all")])
+  assert merged["results"] == data["results"]
+  assert merged["summary"] == data["summary"]
+  assert merged["config"] == data["config"]
+  assert [run["depths"] for run in merged["merged_from"]] == [data["depths"], [low], [high]]
+  assert (tmp_path / "all" / "spiral.png").exists()
+
+
+def test_merge_refuses_overlaps_gaps_and_other_protocols(spiral, smoke_run, tmp_path):
+  out, _ = smoke_run
+  data = json.loads((out / "spiral.json").read_text())
+  whole = _part(data, spiral.METHOD_ORDER, data["depths"], tmp_path / "whole.json")
+  with pytest.raises(SystemExit, match="repeats a depth of sgd"):
+    spiral.main(["--merge", whole, whole, "--out", str(tmp_path)])
+  gap = _part(data, ("sgd",), data["depths"][:1], tmp_path / "gap.json")
+  other = _part(data, ("sgd_orth",), data["depths"], tmp_path / "other.json")
+  with pytest.raises(SystemExit, match=f"no run did sgd p={data['depths'][1]}"):
+    spiral.main(["--merge", gap, other, "--out", str(tmp_path)])
+  longer = json.loads(pathlib.Path(other).read_text())
+  longer["config"]["epochs"] += 1
+  pathlib.Path(other).write_text(json.dumps(longer))
+  with pytest.raises(SystemExit, match="ran another protocol"):
+    spiral.main(["--merge", gap, other, "--out", str(tmp_path)])
