@@ -2,19 +2,22 @@
 
 The small CNN runs ``--smoke --synthetic`` (no data files needed); the ResNet
 only builds and takes one o-CoLA-ud step at width 4 (compiling a ResNet-18 is
-what costs time on a CPU).
+what costs time on a CPU). The harness pieces it uses are tested in test_harness.py.
 """
 
 import json
 import math
-import pickle
+import pathlib
+import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import cola_jax as cola
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+from harness import images, models, schedules, stepwise, vision
 
 CONSTRAINED = {"conv1/kernel", "conv2/kernel"}
 
@@ -100,8 +103,8 @@ def test_constrained_kernels_are_orthonormal(oc, smoke_run):
   assert set(entry["constraint_residuals"]) == CONSTRAINED
   assert max(max(v) for v in entry["constraint_residuals"].values()) <= 1e-5
   assert data["summary"]["ocola_ud"]["max_constraint_residual"] <= 1e-5
-  run = oc.LAST_RUN["ocola_ud"]
-  for (params, _), state in zip(run["final"], run["opt_state"]):
+  for run in oc.LAST_RUNS["ocola_ud"]:
+    params, _, state = run.carry
     residuals = cola.constraint_residuals(params, state)
     assert residuals["conv0"]["kernel"] is None and residuals["dense"]["kernel"] is None
     for name in ("conv1", "conv2"):
@@ -116,13 +119,14 @@ def test_constrained_kernels_are_orthonormal(oc, smoke_run):
 
 def test_first_conv_is_free(oc, smoke_run):
   _, data = smoke_run
-  params = oc.LAST_RUN["ocola_ud"]["final"][0][0]
-  constraints = cola.orthogonal_constraints(mask=oc.orthogonal_mask)(params)
+  params = oc.LAST_RUNS["ocola_ud"][0].params
+  constraints = oc.ORTHOGONAL(params)
   assert constraints["conv0"]["kernel"] is None and constraints["dense"]["kernel"] is None
   assert all(constraints[name]["bias"] is None for name in ("conv0", "conv1", "conv2", "dense"))
   assert isinstance(constraints["conv1"]["kernel"], cola.Orthogonal)
   assert params["conv0"]["kernel"].shape == (3, 3, 1, 16)  # a 9 x 16 (wide) matrix
-  for (init, _), (final, _) in zip(oc.LAST_RUN["ocola_ud"]["init"], oc.LAST_RUN["ocola_ud"]["final"]):
+  for run in oc.LAST_RUNS["ocola_ud"]:
+    init, final = run.init_variables[0], run.params
     moved = np.max(np.abs(np.asarray(final["conv0"]["kernel"]) - np.asarray(init["conv0"]["kernel"])))
     assert moved > 1e-4
   # Its rows are far from orthonormal, before and after training.
@@ -131,7 +135,7 @@ def test_first_conv_is_free(oc, smoke_run):
 
 def test_methods_start_from_the_same_parameters(oc, smoke_run):
   _, data = smoke_run
-  inits = {m: oc.LAST_RUN[m]["init"] for m in oc.METHODS}
+  inits = {m: [run.init_variables for run in oc.LAST_RUNS[m]] for m in oc.METHODS}
   for seed in range(oc.SMOKE["seeds"]):
     for m in oc.METHODS[1:]:
       jax.tree.map(np.testing.assert_array_equal, inits[m][seed], inits["ocola_ud"][seed])
@@ -150,8 +154,8 @@ def test_methods_start_from_the_same_parameters(oc, smoke_run):
 
 def test_ocola_step_size_matches_sgdm_schedule(oc):
   steps, decay = 10, (2, 4)
-  tx_h = oc.lr_schedule(math.sqrt(oc.SGD_LR), steps, decay, math.sqrt(oc.DECAY_FACTOR))
-  tx_lr = oc.lr_schedule(oc.SGD_LR, steps, decay, oc.DECAY_FACTOR)
+  tx_h = schedules.step_decay(math.sqrt(oc.SGD_LR), steps, decay, math.sqrt(oc.DECAY_FACTOR))
+  tx_lr = schedules.step_decay(oc.SGD_LR, steps, decay, oc.DECAY_FACTOR)
   for step, lr in ((0, 0.1), (19, 0.1), (20, 0.01), (39, 0.01), (40, 1e-3), (100, 1e-3)):
     assert float(tx_lr(step)) == pytest.approx(lr, rel=1e-6)
     assert float(tx_h(step)) ** 2 == pytest.approx(lr, rel=1e-5)
@@ -159,32 +163,23 @@ def test_ocola_step_size_matches_sgdm_schedule(oc):
 
 @pytest.mark.slow  # compiling a ResNet step: 131 s here on a loaded 2-core CPU, the quick suite's longest test
 def test_resnet_one_step_keeps_its_constraints(oc):
-  config = oc.Config(
-    model="resnet18",
-    dataset="cifar10",
-    seeds=1,
-    epochs=1,
-    decay_epochs=(),
-    methods=("ocola_ud",),
-    n_train=8,
-    n_test=8,
-    batch_size=8,
-    width=4,
-    augment=True,
+  dataset = images.image_dataset("cifar10", None, 8, 8, synthetic=True)
+  fns = stepwise.method(
+    vision.model("resnet18", width=4),
+    oc.make_optimizer("ocola_ud", 1, ()),
+    dataset.x_train.shape[1:],
+    8,
+    images.scaler(*images.channel_stats(dataset.x_train)),
+    images.crop_and_flip,
   )
-  (x, y), _, _ = oc.make_data(config, None, synthetic=True)
-  model = oc.make_model("resnet18", width=4)
-  run = oc.Run("ocola_ud", 0, oc.build("ocola_ud", model, config, oc.pixel_stats(config, x), x.shape[1:]), config)
+  run = stepwise.Run(fns, 0, stepwise.device_data(dataset), eval_every=1)
   params0, stats0 = run.init_variables
   assert set(stats0) >= {"bn0", "stage1_block0"}  # BatchNorm running statistics exist
-  order = jnp.arange(8)
-  run.carry, (loss, _) = run.train_step(
-    run.carry, jnp.asarray(x), jnp.asarray(y), order, jnp.int32(0), jax.random.key(1)
-  )
+  run.advance()  # one step (8 images, batch 8), then the test set
   params, stats, state = run.carry
-  assert np.isfinite(float(loss))
+  assert np.isfinite(run.history["train_loss"][-1]) and np.isfinite(run.history["test_loss"][-1])
   residuals = cola.constraint_residuals(params, state)
-  flat = {oc._path_name(p): float(v) for p, v in jax.tree_util.tree_flatten_with_path(residuals)[0]}
+  flat = {models.param_path(p): float(v) for p, v in jax.tree_util.tree_flatten_with_path(residuals)[0]}
   # 16 block convs and 3 shortcut convs; the stem conv0 is free.
   assert len(flat) == 19 and "conv0/kernel" not in flat and max(flat.values()) <= 1e-5
   shortcut = params["stage2_block0"]["shortcut_conv"]["kernel"]
@@ -194,25 +189,3 @@ def test_resnet_one_step_keeps_its_constraints(oc):
   assert residuals["conv0"]["kernel"] is None
   # The running statistics moved in training mode.
   assert not np.allclose(np.asarray(stats["bn0"]["mean"]), np.asarray(stats0["bn0"]["mean"]))
-
-
-def test_cifar10_readers(oc, tmp_path):
-  rng = np.random.default_rng(0)
-  images = rng.integers(0, 256, (6, 3, 32, 32), dtype=np.uint8)  # CIFAR's channel-major rows
-  labels = np.arange(6) % 10
-  py, binary = tmp_path / "cifar-10-batches-py", tmp_path / "bin"
-  py.mkdir()
-  binary.mkdir()
-  for i, name in enumerate([f"data_batch_{k}" for k in range(1, 6)] + ["test_batch"]):
-    with open(py / name, "wb") as f:
-      pickle.dump({b"data": images[i : i + 1].reshape(1, -1), b"labels": [int(labels[i])]}, f)
-    record = np.concatenate([[labels[i]], images[i].reshape(-1)]).astype(np.uint8)
-    record.tofile(binary / f"{name}.bin")
-  for directory in (tmp_path, binary):
-    (x_tr, y_tr), (x_te, y_te), _ = oc.load_cifar10(str(directory))
-    assert x_tr.shape == (5, 32, 32, 3) and x_te.shape == (1, 32, 32, 3)
-    np.testing.assert_array_equal(x_tr, images[:5].transpose(0, 2, 3, 1))
-    np.testing.assert_array_equal(y_tr, labels[:5])
-    assert y_te.tolist() == [labels[5]]
-  with pytest.raises(FileNotFoundError, match="--data-dir"):
-    oc.load_cifar10(str(tmp_path / "bin" / "missing"))

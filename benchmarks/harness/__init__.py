@@ -6,4 +6,10 @@ method trained at once: ``vmap`` over seeds, ``lax.scan`` over minibatches and
 epochs), :mod:`.report` (results JSON, tables, plots, progress) and :mod:`.cli`
 (the flags every script shares). A script declares only its protocol: data,
 model, methods, schedule and what to report.
+
+For convolutional models: :mod:`.vision` (Flax CNN and ResNets with BatchNorm),
+:mod:`.images` (image data sets, standardisation, augmentation),
+:mod:`.schedules` (step decay by epochs) and :mod:`.stepwise` (one seed at a
+time, one jitted call per minibatch, with ``batch_stats``: what XLA's CPU
+convolutions need).
 """

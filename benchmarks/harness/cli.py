@@ -5,17 +5,20 @@ from __future__ import annotations
 import argparse
 
 
-def parser(description: str, *, seeds: int, epochs: int, out: str, smoke: str) -> argparse.ArgumentParser:
-  """A parser with ``--seeds``, ``--epochs``, ``--eval-every``, ``--out``, ``--smoke``, ``--quiet``;
-  every default shown by ``--help``."""
+def parser(
+  description: str, *, seeds: int, epochs: int, out: str, smoke: str, eval_every: int | None = None
+) -> argparse.ArgumentParser:
+  """A parser with ``--seeds``, ``--epochs``, ``--eval-every`` (default ``eval_every``; None: about
+  epochs/20), ``--out``, ``--smoke``, ``--quiet``; every default shown by ``--help``."""
   p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--seeds", type=int, default=seeds, help="number of seeds, 0..seeds-1 (all trained at once)")
+  p.add_argument("--seeds", type=int, default=seeds, help="number of seeds, 0..seeds-1")
   p.add_argument("--epochs", type=int, default=epochs, help="training epochs")
   p.add_argument(
     "--eval-every",
     type=int,
-    default=None,
-    help="epochs between evaluations (must divide --epochs); default about epochs/20",
+    default=eval_every,
+    help="epochs between evaluations (must divide --epochs)"
+    + ("; default about epochs/20" if eval_every is None else ""),
   )
   p.add_argument(
     "--out",

@@ -98,15 +98,16 @@ def find_idx_files(data_dir: str) -> dict | None:
   return paths
 
 
-def synthetic_images(n_train: int, n_test: int, seed: int = 0):
-  """A stand-in of Fashion-MNIST's shapes (uint8 28x28 images, 10 classes): prototypes + noise."""
+def synthetic_images(n_train: int, n_test: int, seed: int = 0, shape: tuple = (28, 28)):
+  """A stand-in of Fashion-MNIST's shapes (uint8 images of ``shape``, 10 classes): prototypes + noise."""
   rng = np.random.default_rng(seed)
-  prototypes = rng.uniform(0, 255, (10, 784))
+  size = math.prod(shape)
+  prototypes = rng.uniform(0, 255, (10, size))
 
   def draw(n):
     y = rng.integers(0, 10, n).astype(np.int32)
-    x = np.clip(prototypes[y] * rng.uniform(0.3, 1.0, (n, 1)) + rng.normal(0, 60, (n, 784)), 0, 255)
-    return x.astype(np.uint8).reshape(n, 28, 28), y
+    x = np.clip(prototypes[y] * rng.uniform(0.3, 1.0, (n, 1)) + rng.normal(0, 60, (n, size)), 0, 255)
+    return x.astype(np.uint8).reshape(n, *shape), y
 
   return draw(n_train), draw(n_test)
 

@@ -61,9 +61,10 @@ def plot_curves(
   labels: Mapping[str, str],
   title: str,
   log_y: Sequence[str] = (),
+  marks: Sequence[float] = (),
 ) -> None:
   """One panel per ``(history key, y label)``: each method's mean over seeds against the epoch,
-  with a band of one standard deviation."""
+  with a band of one standard deviation; a dotted vertical line at each epoch of ``marks``."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -80,6 +81,8 @@ def plot_curves(
     ax.set(
       xlabel="epoch", ylabel=ylabel + (" (%)" if "accuracy" in key else ""), yscale="log" if key in log_y else "linear"
     )
+    for epoch in marks:
+      ax.axvline(epoch, color="black", ls=":", lw=0.8)
     ax.grid(alpha=0.3)
   axes[0][0].legend(fontsize=9)
   fig.suptitle(title)
