@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Sequence
 
 
-def parser(description: str, *, seeds: int, epochs: int, out: str, smoke: str) -> argparse.ArgumentParser:
+def parser(
+  description: str,
+  *,
+  seeds: int,
+  epochs: int,
+  out: str,
+  smoke: str,
+  eval_every_type=int,
+  eval_every_help: str = "epochs between evaluations (must divide --epochs); default about epochs/20",
+) -> argparse.ArgumentParser:
   """A parser with ``--seeds``, ``--epochs``, ``--eval-every``, ``--out``, ``--smoke``, ``--quiet``;
   every default shown by ``--help``."""
   p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -13,9 +23,9 @@ def parser(description: str, *, seeds: int, epochs: int, out: str, smoke: str) -
   p.add_argument("--epochs", type=int, default=epochs, help="training epochs")
   p.add_argument(
     "--eval-every",
-    type=int,
+    type=eval_every_type,
     default=None,
-    help="epochs between evaluations (must divide --epochs); default about epochs/20",
+    help=eval_every_help,
   )
   p.add_argument(
     "--out",
@@ -65,3 +75,15 @@ def choices(allowed):
     return tuple(n for n in allowed if n in names)
 
   return parse
+
+
+def method_list(p: argparse.ArgumentParser, names: str, extra: Sequence[str] = (), check: Callable = str) -> tuple:
+  """The comma list ``names``, then ``extra``, without repeats; ``check(name)`` raising ValueError on a
+  name is a usage error with its message."""
+  methods = tuple(dict.fromkeys([m.strip() for m in names.split(",") if m.strip()] + list(extra)))
+  for m in methods:
+    try:
+      check(m)
+    except ValueError as error:
+      p.error(str(error))
+  return methods
