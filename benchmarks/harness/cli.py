@@ -3,22 +3,32 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Sequence
 
 
 def parser(
-  description: str, *, seeds: int, epochs: int, out: str, smoke: str, eval_every: int | None = None
+  description: str,
+  *,
+  seeds: int,
+  epochs: int,
+  out: str,
+  smoke: str,
+  eval_every: float | None = None,
+  eval_every_type=int,
+  eval_every_help: str | None = None,
 ) -> argparse.ArgumentParser:
   """A parser with ``--seeds``, ``--epochs``, ``--eval-every`` (default ``eval_every``; None: about
-  epochs/20), ``--out``, ``--smoke``, ``--quiet``; every default shown by ``--help``."""
+  epochs/20; ``eval_every_type``/``eval_every_help`` for another meaning), ``--out``, ``--smoke``,
+  ``--quiet``; every default shown by ``--help``."""
   p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--seeds", type=int, default=seeds, help="number of seeds, 0..seeds-1")
   p.add_argument("--epochs", type=int, default=epochs, help="training epochs")
   p.add_argument(
     "--eval-every",
-    type=int,
+    type=eval_every_type,
     default=eval_every,
-    help="epochs between evaluations (must divide --epochs)"
-    + ("; default about epochs/20" if eval_every is None else ""),
+    help=eval_every_help
+    or "epochs between evaluations (must divide --epochs)" + ("; default about epochs/20" if eval_every is None else ""),
   )
   p.add_argument(
     "--out",
@@ -68,3 +78,15 @@ def choices(allowed):
     return tuple(n for n in allowed if n in names)
 
   return parse
+
+
+def method_list(p: argparse.ArgumentParser, names: str, extra: Sequence[str] = (), check: Callable = str) -> tuple:
+  """The comma list ``names``, then ``extra``, without repeats; ``check(name)`` raising ValueError on a
+  name is a usage error with its message."""
+  methods = tuple(dict.fromkeys([m.strip() for m in names.split(",") if m.strip()] + list(extra)))
+  for m in methods:
+    try:
+      check(m)
+    except ValueError as error:
+      p.error(str(error))
+  return methods

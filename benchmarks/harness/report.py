@@ -62,9 +62,11 @@ def plot_curves(
   title: str,
   log_y: Sequence[str] = (),
   marks: Sequence[float] = (),
+  references: Mapping[str, Mapping[str, float]] | None = None,
 ) -> None:
   """One panel per ``(history key, y label)``: each method's mean over seeds against the epoch,
-  with a band of one standard deviation; a dotted vertical line at each epoch of ``marks``."""
+  with a band of one standard deviation; a dotted vertical line at each epoch of ``marks``;
+  ``references[key][method]``, e.g. a published value, as a dotted horizontal line."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -78,6 +80,8 @@ def plot_curves(
       mean, std = np.nanmean(values, axis=1), np.nanstd(values, axis=1)
       ax.plot(h["epoch"], mean, color=f"C{i}", label=labels.get(method, method))
       ax.fill_between(h["epoch"], mean - std, mean + std, color=f"C{i}", alpha=0.15)
+      if method in (references or {}).get(key, {}):
+        ax.axhline(references[key][method], color=f"C{i}", ls=":", lw=1)
     ax.set(
       xlabel="epoch", ylabel=ylabel + (" (%)" if "accuracy" in key else ""), yscale="log" if key in log_y else "linear"
     )
@@ -91,11 +95,11 @@ def plot_curves(
   plt.close(fig)
 
 
-def progress(total: int, quiet: bool):
-  """A tqdm bar over ``total`` chunks (silent with ``quiet``)."""
+def progress(total: int, quiet: bool, unit: str = "chunk"):
+  """A tqdm bar over ``total`` chunks, or other ``unit``s (silent with ``quiet``)."""
   from tqdm.auto import tqdm
 
-  return tqdm(total=total, unit="chunk", disable=quiet, dynamic_ncols=True)
+  return tqdm(total=total, unit=unit, disable=quiet, dynamic_ncols=True)
 
 
 def output_dir(out: str | None, prefix: str) -> str:
