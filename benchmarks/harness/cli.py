@@ -20,6 +20,7 @@ def parser(
   """A parser with ``--seeds``, ``--epochs``, ``--eval-every`` (default ``eval_every``; None: about
   epochs/20; ``eval_every_type``/``eval_every_help`` for another meaning), ``--out``, ``--smoke``,
   ``--quiet``; every default shown by ``--help``."""
+  default_text = "; default about epochs/20" if eval_every is None else ""
   p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--seeds", type=int, default=seeds, help="number of seeds, 0..seeds-1")
   p.add_argument("--epochs", type=int, default=epochs, help="training epochs")
@@ -27,8 +28,7 @@ def parser(
     "--eval-every",
     type=eval_every_type,
     default=eval_every,
-    help=eval_every_help
-    or "epochs between evaluations (must divide --epochs)" + ("; default about epochs/20" if eval_every is None else ""),
+    help=eval_every_help or f"epochs between evaluations (must divide --epochs){default_text}",
   )
   p.add_argument(
     "--out",
