@@ -11,8 +11,9 @@ variable ``s_i``, and the manifold is
   g(z) = \begin{pmatrix} c(x) \\ d(x) + s \odot s \end{pmatrix} \in \mathbb{R}^m,
   \quad m = m_E + k,
 
-with the Jacobian ``G(z) = dg/dz`` (``m x (n + k)``, by reverse-mode
-autodiff) of full row rank on ``M``. Ambient vectors and momenta are flat
+with the Jacobian ``G(z) = dg/dz`` (``m x (n + k)``; its products by
+autodiff: ``G^T mu`` in reverse mode, ``G v`` in forward mode) of full row
+rank on ``M``. Ambient vectors and momenta are flat
 vectors of ``R^{n + k}``, the leaf's entries (row-major) then the slacks; so is
 the momentum that ``cola_ud`` stores for the leaf.
 
@@ -27,16 +28,23 @@ The multiplier ``lambda`` solves ``F(lambda) = g(q_n + D + G_n^T lambda) = 0``
 by Newton's method, whose Jacobian is ``G(q^{(j)}) G_n^T``,
 
 .. math::
-  \lambda^{(j+1)} = \lambda^{(j)} - \big(G(q^{(j)})\, G_n^T\big)^{-1} g(q^{(j)}),
+  \delta^{(j)} = \big(G(q^{(j)})\, G_n^T\big)^{-1} g(q^{(j)}), \qquad
+  \lambda^{(j+1)} = \lambda^{(j)} - \delta^{(j)}, \qquad
+  q^{(j+1)} = q^{(j)} - G_n^T \delta^{(j)},
 
-(quadratic convergence, one Jacobian and one ``m x m`` LU solve per
-iteration), or by the quasi-Newton iteration with the fixed matrix
-``G_n G_n^T`` (one Cholesky factorisation per projection, one evaluation of
-``g`` per iteration, linear convergence at a rate that grows with ``|D|``;
-for orthogonality it is the paper's ``Q - 1/2 Q_n (Q^T Q - I)``). Either runs
-until ``max_i |g_i(q)| <= tolerance`` or ``max_iterations``.
+(quadratic convergence; per iteration ``m`` products ``G(q^{(j)}) v`` and one
+``m x m`` solve), or by the quasi-Newton iteration with the fixed matrix
+``G_n G_n^T`` (one evaluation of ``g`` per iteration, linear convergence at a
+rate that grows with ``|D|``; for orthogonality it is the paper's
+``Q - 1/2 Q_n (Q^T Q - I)``). Either runs until
+``max_i |g_i(q)| <= tolerance`` or ``max_iterations``. The iterate is
+corrected from the previous one rather than rebuilt as
+``q_n + D + G_n^T lambda^{(j+1)}``: with a large multiplier (a projection
+far onto a small sphere, say) the rounding of ``G_n^T lambda`` in float32 is
+then corrected by the next iteration instead of drawn afresh, which would
+leave ``max |g|`` at that rounding, above a tolerance of ``1e-6``.
 
-Cotangent projection: ``Pi(q) v = v - G^T (G G^T)^{-1} G v`` (Cholesky).
+Cotangent projection: ``Pi(q) v = v - G^T (G G^T)^{-1} G v``.
 
 A step (RATTLE): ``q_{n+1}`` is the projection of the step ``h p`` from
 ``q_n``, and the momentum takes the same impulse and is projected onto the new
@@ -82,11 +90,19 @@ kernel for ``axis=0``) and the functions constrain one unit; the manifold is
 the product of the units' manifolds. Everything above then holds for each unit
 on its own: its own ``(z, G, lambda)`` with ``G`` of size
 ``m_unit x (n_unit + k_unit)``, its own Newton iteration, its own rejection
-and momentum reversal; the units are ``jax.vmap``-ed, so the cost grows
-linearly with their number. The state aggregates the diagnostics
-(``iterations`` the most any unit used, ``converged`` whether every unit's
-projections succeeded); the momentum is stored as ``(units, n_unit +
-k_unit)``, one row per unit (in the row-major order of the other axes).
+and momentum reversal; the whole leaf is the case of one unit. The units stay
+in the leaf's own layout: the functions are ``jax.vmap``-ed over the other
+axes where they lie, ``G^T mu`` and ``G v`` are one reverse- and one
+forward-mode product of the vmapped function, ``G G^T`` is ``G`` applied to the
+``m_unit`` rows of ``G``, and the ``m_unit x m_unit`` systems are solved over
+all units at once. The cost is about ``m_unit + 1`` passes over the leaf per
+product with ``G``, linear in the number of units. The state aggregates the
+diagnostics (``iterations`` the most any unit used, ``converged`` whether every
+unit's projections succeeded). The ambient vectors and the stored momentum are
+laid out as for the whole leaf: ``(n + K,)``, the leaf's entries (row-major)
+then the ``K`` slacks (row-major in their shape ``(*other axes, *d shape)``),
+so a per-unit constraint and the dense constraint that stacks its units'
+components follow the same trajectory, noise included.
 
 References:
   Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of
@@ -109,7 +125,6 @@ import jax.numpy as jnp
 
 from cola_jax import _noise
 from cola_jax._hyperparameters import check_positive, check_positive_integer
-from cola_jax._numerics import computed_together
 from cola_jax.constraints import _axes
 from cola_jax.constraints._unit_layout import UnitLayout
 from cola_jax.constraints.base import Constraint
@@ -155,10 +170,11 @@ class _Geometry:
   """``g``, its Jacobian and the small solves of every unit of a leaf, in the leaf's layout.
 
   Per unit: ``g = (c(x), d(x) + s * s)`` with ``m = m_E + k`` components, the
-  slacks ``s`` as ``(*other shape, k)``. The rows of the units' Jacobians with
-  respect to ``x`` form a family ``(m, *leaf shape)`` (see
-  :mod:`~cola_jax.constraints._unit_layout`); with respect to ``s`` they are
-  ``2 s`` on the inequality rows, applied in closed form.
+  slacks ``s`` as ``(*other shape, k)``; per-unit values are ``(*other shape,
+  m)``. The products with the Jacobian's ``x`` part are autodiff products of
+  the vmapped functions (every unit's at once, in the leaf's layout: see
+  :mod:`~cola_jax.constraints._unit_layout`); its ``s`` part, ``2 s`` on the
+  inequality rows, is applied in closed form.
   """
 
   constraint: "Implicit"
@@ -233,8 +249,8 @@ class _Geometry:
   def shake(self, x_n, s_n, step_x, step_s, quasi_newton):
     """``(q, impulse, iterations, converged)`` per unit: ``q = z_n + step + impulse`` on M.
 
-    ``impulse = G(z_n)^T lambda``; a unit that does not converge keeps
-    ``q = z_n`` and gets no impulse.
+    ``impulse = G(z_n)^T lambda``. Where a unit did not converge, ``q`` is the
+    last iterate (the caller keeps ``z_n`` there) and its impulse is 0.
     """
     c = self.constraint
     if quasi_newton:
@@ -269,7 +285,24 @@ class _Geometry:
     lam, qx, qs, gq, k = jax.lax.while_loop(lambda carry: jnp.any(pending(carry)), iterate, start)
     converged = (self.worst(gq) <= c.tolerance) & self.finite(qx, qs)
     impulse = self.transpose(x_n, s_n, jnp.where(converged[..., None], lam, 0))
-    return self.where(converged, (qx, qs), (x_n, s_n)), impulse, k, converged
+    return (qx, qs), impulse, k, converged
+
+
+def _drawn_once(key, shape, dtype):
+  """``jax.random.normal(key, shape, dtype)``, written to memory once on XLA:CPU.
+
+  The projections read an ambient noise vector in several loops (one per
+  reduction, and the result), and XLA:CPU, which has no multi-output fusion,
+  would recompute the generator's hash in each. The result of a conditional
+  is written once. Both branches give the same numbers
+  (:func:`~cola_jax._noise.normal` is ``jax.random.normal`` bit for bit, in
+  a different program that XLA does not merge), so any predicate will do.
+  """
+  draw = lambda: _noise.normal(key, shape, dtype)
+  if jax.default_backend() != "cpu":  # multi-output fusion: nothing is recomputed
+    return draw()
+  bits = jax.random.key_data(key).ravel()
+  return jax.lax.cond(bits[0] >= bits[-1], draw, lambda: jax.random.normal(key, shape, dtype))
 
 
 # Up to this many components per unit, the Jacobian's rows are separate arrays
@@ -455,8 +488,8 @@ class Implicit(Constraint):
     # Units on the manifold are left as they are by the projection (no iteration).
     def reproject(carry):
       x, s, _, _, _ = carry
-      (x, s), _, k, converged = geometry.shake(x, s, jnp.zeros_like(x), jnp.zeros_like(s), quasi_newton=False)
-      return x, s, k, converged, jnp.array(False)
+      q, _, k, converged = geometry.shake(x, s, jnp.zeros_like(x), jnp.zeros_like(s), quasi_newton=False)
+      return *geometry.where(converged, q, (x, s)), k, converged, jnp.array(False)
 
     per_unit = geometry.layout.other_shape
     x, s, k, converged, _ = jax.lax.while_loop(
@@ -498,12 +531,13 @@ class Implicit(Constraint):
     return jnp.concatenate([grad.ravel(), jnp.zeros(point.slack.size, grad.dtype)])
 
   def ambient_normal(self, key, point):
-    return _noise.normal(key, (point.x.size + point.slack.size,), point.x.dtype)
+    return _drawn_once(key, (point.x.size + point.slack.size,), point.x.dtype)
 
   def project(self, anchor, step):
     geometry = self._geometry(anchor.x.shape)
     s = geometry.slack_matrix(anchor.slack)
-    (x, s), _, k, converged = geometry.shake(anchor.x, s, *geometry.split(step), self.quasi_newton)
+    q, _, k, converged = geometry.shake(anchor.x, s, *geometry.split(step), self.quasi_newton)
+    x, s = geometry.where(converged, q, (anchor.x, s))
     return ImplicitPoint(x, s.reshape(anchor.slack.shape), anchor.iterations + k, anchor.converged & converged)
 
   def cotangent(self, point, vector):
@@ -511,10 +545,7 @@ class Implicit(Constraint):
     return geometry.join(*geometry.cotangent(point.x, geometry.slack_matrix(point.slack), *geometry.split(vector)))
 
   def cotangent_normal(self, key, point):
-    # Written out once: the projection reads it several times, and XLA:CPU would
-    # recompute the generator's hash in every loop that reads it.
-    (noise,) = computed_together(self.ambient_normal(key, point))
-    return self.cotangent(point, noise)
+    return self.cotangent(point, _drawn_once(key, (point.x.size + point.slack.size,), point.x.dtype))
 
   def zero_momentum(self, param):
     """The momentum is stored flat, ``(n + K,)``: the leaf's entries, then the slacks' (``K`` of them)."""
@@ -531,7 +562,7 @@ class Implicit(Constraint):
     kick = lambda impulse: jnp.where(moving, impulse * inverse_h, 0)
     new_px, new_ps = geometry.cotangent(qx, qs, px + kick(ix), ps + kick(is_))
     accepted = converged & geometry.finite(new_px, new_ps)
-    # Rejected units stay at q_n with the momentum reversed.
+    # Rejected units (not converged, or a non-finite momentum) stay at q_n with the momentum reversed.
     qx, qs = geometry.where(accepted, (qx, qs), (x_n, s_n))
     new_px, new_ps = geometry.where(accepted, (new_px, new_ps), (-px, -ps))
     new_point = ImplicitPoint(qx, qs.reshape(point.slack.shape), point.iterations + k, point.converged & accepted)
