@@ -195,8 +195,7 @@ def make_pair(method: str, model: Model, args, temperature: float):
   noise = {} if temperature == 0 else {"temperature": temperature, "key": jax.random.key(7)}
   if method in ("i_cola_od", "i_cola_ud"):
     # Norm 1: the first update projects the initial columns (norm about 1) from
-    # nearby. (From 20 times the norm, float32 cancellation in z + G^T lambda
-    # leaves the defect above the tolerance and every projection fails.)
+    # nearby, as Sphere(1.0) leaves them in place.
     implicit = {
       layer: {"kernel": cola.Implicit(equality=zero_sum_fixed_norm(1.0), axis=0), "bias": None}
       for layer in model.radius

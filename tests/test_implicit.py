@@ -444,6 +444,46 @@ def test_project_params():
   np.testing.assert_allclose(w1, NORM * centred / np.linalg.norm(centred), atol=1e-6)
 
 
+def _glorot_columns(fan_in, fan_out, count):
+  bound = math.sqrt(6.0 / (fan_in + fan_out))
+  return jax.random.uniform(jax.random.key(0), (fan_in, count), jnp.float32, -bound, bound)
+
+
+def _zero_sum_norm(r):
+  return lambda u: jnp.stack([jnp.sum(u), jnp.sum(u * u) / r**2 - 1])
+
+
+def test_newton_converges_far_below_the_start_in_float32():
+  """Glorot columns of a 784-1000 layer (norm ~0.94) onto zero sum and norm r = 0.05.
+
+  The multiplier is large (``z + G^T lambda`` cancels 95% of ``z``), and its
+  float32 rounding in ``z + step + G^T lambda`` is ~20 ulp of the result: when
+  every iterate is rebuilt from ``z``, that error is drawn afresh each time and
+  Newton stalls at ``max |g| ~ 1e-6`` (about half of these columns failed the
+  tolerance of 1e-6 that way). Corrected from the previous iterate, it reaches
+  the rounding of ``g`` itself. From ``z`` along ``G(z)^T = (1, 2 z / r^2)``
+  the projection is the centred column scaled to norm ``r``.
+  """
+  r = 0.05
+  columns = _glorot_columns(784, 1000, 64)
+  whole_leaf = cola.Implicit(equality=_zero_sum_norm(r))
+  per_unit = cola.Implicit(equality=_zero_sum_norm(r), axis=0)
+  centred = np.asarray(columns, np.float64) - np.asarray(columns, np.float64).mean(axis=0)
+  expected = r * centred / np.linalg.norm(centred, axis=0)
+  points = jax.jit(jax.vmap(lambda x: whole_leaf.point(x, whole_leaf.init(x)), in_axes=1))(columns)
+  assert bool(jnp.all(points.converged))
+  np.testing.assert_allclose(points.x.T, expected, rtol=0, atol=2e-8)
+  projected = cola.project_params(columns, per_unit)
+  np.testing.assert_allclose(projected, expected, rtol=0, atol=2e-8)
+  # A noisy step from there converges too (no rejection).
+  tx = cola.cola_od(1e-3, constraints=per_unit, temperature=1e-6, key=jax.random.key(1))
+  grads = 0.1 * jax.random.normal(jax.random.key(2), projected.shape)
+  updates, state = jax.jit(tx.update)(grads, tx.init(projected), projected)
+  assert bool(state.constraint_states.converged)
+  assert float(jnp.max(jnp.abs(updates))) > 1e-5
+  assert float(state.constraint_states.residual(projected + updates)) <= 1e-6
+
+
 # --------------------------------------------------------------------------------------
 # Invariant measures
 

@@ -11,8 +11,9 @@ variable ``s_i``, and the manifold is
   g(z) = \begin{pmatrix} c(x) \\ d(x) + s \odot s \end{pmatrix} \in \mathbb{R}^m,
   \quad m = m_E + k,
 
-with the Jacobian ``G(z) = dg/dz`` (``m x (n + k)``, by reverse-mode
-autodiff) of full row rank on ``M``. Ambient vectors and momenta are flat
+with the Jacobian ``G(z) = dg/dz`` (``m x (n + k)``; its products by
+autodiff: ``G^T mu`` in reverse mode, ``G v`` in forward mode) of full row
+rank on ``M``. Ambient vectors and momenta are flat
 vectors of ``R^{n + k}``, the leaf's entries (row-major) then the slacks; so is
 the momentum that ``cola_ud`` stores for the leaf.
 
@@ -27,16 +28,23 @@ The multiplier ``lambda`` solves ``F(lambda) = g(q_n + D + G_n^T lambda) = 0``
 by Newton's method, whose Jacobian is ``G(q^{(j)}) G_n^T``,
 
 .. math::
-  \lambda^{(j+1)} = \lambda^{(j)} - \big(G(q^{(j)})\, G_n^T\big)^{-1} g(q^{(j)}),
+  \delta^{(j)} = \big(G(q^{(j)})\, G_n^T\big)^{-1} g(q^{(j)}), \qquad
+  \lambda^{(j+1)} = \lambda^{(j)} - \delta^{(j)}, \qquad
+  q^{(j+1)} = q^{(j)} - G_n^T \delta^{(j)},
 
-(quadratic convergence, one Jacobian and one ``m x m`` LU solve per
-iteration), or by the quasi-Newton iteration with the fixed matrix
-``G_n G_n^T`` (one Cholesky factorisation per projection, one evaluation of
-``g`` per iteration, linear convergence at a rate that grows with ``|D|``;
-for orthogonality it is the paper's ``Q - 1/2 Q_n (Q^T Q - I)``). Either runs
-until ``max_i |g_i(q)| <= tolerance`` or ``max_iterations``.
+(quadratic convergence; per iteration ``m`` products ``G(q^{(j)}) v`` and one
+``m x m`` solve), or by the quasi-Newton iteration with the fixed matrix
+``G_n G_n^T`` (one evaluation of ``g`` per iteration, linear convergence at a
+rate that grows with ``|D|``; for orthogonality it is the paper's
+``Q - 1/2 Q_n (Q^T Q - I)``). Either runs until
+``max_i |g_i(q)| <= tolerance`` or ``max_iterations``. The iterate is
+corrected from the previous one rather than rebuilt as
+``q_n + D + G_n^T lambda^{(j+1)}``: with a large multiplier (a projection
+far onto a small sphere, say) the rounding of ``G_n^T lambda`` in float32 is
+then corrected by the next iteration instead of drawn afresh, which would
+leave ``max |g|`` at that rounding, above a tolerance of ``1e-6``.
 
-Cotangent projection: ``Pi(q) v = v - G^T (G G^T)^{-1} G v`` (Cholesky).
+Cotangent projection: ``Pi(q) v = v - G^T (G G^T)^{-1} G v``.
 
 A step (RATTLE): ``q_{n+1}`` is the projection of the step ``h p`` from
 ``q_n``, and the momentum takes the same impulse and is projected onto the new
@@ -82,11 +90,19 @@ kernel for ``axis=0``) and the functions constrain one unit; the manifold is
 the product of the units' manifolds. Everything above then holds for each unit
 on its own: its own ``(z, G, lambda)`` with ``G`` of size
 ``m_unit x (n_unit + k_unit)``, its own Newton iteration, its own rejection
-and momentum reversal; the units are ``jax.vmap``-ed, so the cost grows
-linearly with their number. The state aggregates the diagnostics
-(``iterations`` the most any unit used, ``converged`` whether every unit's
-projections succeeded); the momentum is stored as ``(units, n_unit +
-k_unit)``, one row per unit (in the row-major order of the other axes).
+and momentum reversal; the whole leaf is the case of one unit. The units stay
+in the leaf's own layout: the functions are ``jax.vmap``-ed over the other
+axes where they lie, ``G^T mu`` and ``G v`` are one reverse- and one
+forward-mode product of the vmapped function, ``G G^T`` is ``G`` applied to the
+``m_unit`` rows of ``G``, and the ``m_unit x m_unit`` systems are solved over
+all units at once. The cost is about ``m_unit + 1`` passes over the leaf per
+product with ``G``, linear in the number of units. The state aggregates the
+diagnostics (``iterations`` the most any unit used, ``converged`` whether every
+unit's projections succeeded). The ambient vectors and the stored momentum are
+laid out as for the whole leaf: ``(n + K,)``, the leaf's entries (row-major)
+then the ``K`` slacks (row-major in their shape ``(*other axes, *d shape)``),
+so a per-unit constraint and the dense constraint that stacks its units'
+components follow the same trajectory, noise included.
 
 References:
   Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of
@@ -110,25 +126,8 @@ import jax.numpy as jnp
 from cola_jax import _noise
 from cola_jax._hyperparameters import check_positive, check_positive_integer
 from cola_jax.constraints import _axes
+from cola_jax.constraints._unit_layout import UnitLayout
 from cola_jax.constraints.base import Constraint
-
-_HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def _matmul(a, b):
-  return jnp.matmul(a, b, precision=_HIGHEST)
-
-
-def _or_per_unit(method):
-  """The method for the whole leaf, or its ``_per_unit_`` version when ``axis`` is given."""
-
-  @functools.wraps(method)
-  def dispatch(self, *args):
-    if self.axis is None:
-      return method(self, *args)
-    return getattr(self, "_per_unit_" + method.__name__)(*args)
-
-  return dispatch
 
 
 @functools.partial(
@@ -152,19 +151,200 @@ class ImplicitState:
   def residual(self, param: jax.Array) -> jax.Array:
     """``max_i |g_i(x, s)|`` (over every unit), computed in at least float32."""
     dtype = jnp.promote_types(param.dtype, jnp.float32)  # float64 stays float64
-    if self.constraint.axis is not None:
-      return self.constraint._per_unit_residual(param.astype(dtype), self.slack.astype(dtype))
-    z = self.constraint._pack(param.astype(dtype), self.slack.astype(dtype))
-    return jnp.max(jnp.abs(self.constraint._g(param.shape)(z)))
+    x = param.astype(dtype)
+    geometry = self.constraint._geometry(x.shape)
+    return jnp.max(jnp.abs(geometry.values(x, geometry.slack_matrix(self.slack.astype(dtype)))))
 
 
 class ImplicitPoint(NamedTuple):
   """A leaf's point during an update, with the diagnostics of its projections."""
 
-  x: jax.Array  # the leaf; per unit (axis given) the units, (units, *unit shape)
-  slack: jax.Array  # per unit (units, *inequality(unit).shape)
-  iterations: jax.Array  # totals over the projections of the current update (per unit)
-  converged: jax.Array  # (per unit)
+  x: jax.Array  # the leaf
+  slack: jax.Array  # as in ImplicitState
+  iterations: jax.Array  # totals over the projections of the current update, per unit (axis given)
+  converged: jax.Array  # per unit (axis given)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+  """``g``, its Jacobian and the small solves of every unit of a leaf, in the leaf's layout.
+
+  Per unit: ``g = (c(x), d(x) + s * s)`` with ``m = m_E + k`` components, the
+  slacks ``s`` as ``(*other shape, k)``; per-unit values are ``(*other shape,
+  m)``. The products with the Jacobian's ``x`` part are autodiff products of
+  the vmapped functions (every unit's at once, in the leaf's layout: see
+  :mod:`~cola_jax.constraints._unit_layout`); its ``s`` part, ``2 s`` on the
+  inequality rows, is applied in closed form.
+  """
+
+  constraint: "Implicit"
+  layout: UnitLayout
+  equalities: int  # m_E, per unit
+  inequalities: int  # k, per unit
+
+  @property
+  def components(self) -> int:
+    return self.equalities + self.inequalities
+
+  def slack_matrix(self, slack):
+    return slack.reshape(self.layout.other_shape + (self.inequalities,))
+
+  def _pad(self, inequality_part):
+    """``(*other, k)`` values as ``(*other, m)``: zero on the equality components."""
+    zeros = jnp.zeros(inequality_part.shape[:-1] + (self.equalities,), inequality_part.dtype)
+    return jnp.concatenate([zeros, inequality_part], -1)
+
+  def _unit_values(self, unit):
+    c = self.constraint
+    parts = [jnp.ravel(fn(unit)).astype(unit.dtype) for fn in (c.equality, c.inequality) if fn is not None]
+    return jnp.concatenate(parts)
+
+  def values(self, x, s):
+    """``g`` of every unit, ``(*other shape, m)``."""
+    return self.layout.map(self._unit_values)(x) + self._pad(s * s)
+
+  def transpose(self, x, s, mu):
+    """``G(x, s)^T mu`` per unit (``mu``: ``(*other shape, m)``): the leaf part and the slacks' part."""
+    _, pullback = jax.vjp(self.layout.map(self._unit_values), x)
+    return pullback(mu)[0], 2 * s * mu[..., self.equalities :]
+
+  def apply(self, x, s, vx, vs):
+    """``G(x, s) v`` per unit, ``(*other shape, m)``."""
+    return jax.jvp(self.layout.map(self._unit_values), (x,), (vx,))[1] + self._pad(2 * s * vs)
+
+  def products(self, xa, sa, xb, sb):
+    """``G(a) G(b)^T`` per unit, ``(*other shape, m, m)``: ``G(a)`` applied to the rows of ``G(b)``."""
+    m = self.components
+    basis = jnp.broadcast_to(jnp.eye(m, dtype=xb.dtype), self.layout.other_shape + (m, m))
+    column = lambda e: self.apply(xa, sa, *self.transpose(xb, sb, e))
+    if m <= _FEW_COMPONENTS:  # separate passes over the leaf, each fused
+      return jnp.stack([column(basis[..., j]) for j in range(m)], -1)
+    return jax.vmap(column, in_axes=-1, out_axes=-1)(basis)
+
+  def worst(self, values):
+    """``max_i |g_i|`` per unit."""
+    return jnp.max(jnp.abs(values), axis=-1)
+
+  def finite(self, vx, vs):
+    """Per unit: whether every entry of ``(vx, vs)`` is finite."""
+    return self.layout.all(jnp.isfinite(vx)) & jnp.all(jnp.isfinite(vs), axis=-1)
+
+  def where(self, per_unit, a, b):
+    """``a`` on the units where ``per_unit`` holds, else ``b``; both ``(leaf, slacks)`` pairs."""
+    return (jnp.where(self.layout.spread(per_unit), a[0], b[0]), jnp.where(per_unit[..., None], a[1], b[1]))
+
+  def split(self, v):
+    """A flat ambient vector ``(n + K,)`` as ``(leaf, (*other shape, k))``."""
+    n = self.layout.size
+    return v[:n].reshape(self.layout.shape), v[n:].reshape(self.layout.other_shape + (self.inequalities,))
+
+  def join(self, vx, vs):
+    return jnp.concatenate([vx.ravel(), vs.ravel()])
+
+  def cotangent(self, x, s, vx, vs):
+    multiplier = _solve(self.products(x, s, x, s), self.apply(x, s, vx, vs), symmetric=True)
+    dx, ds = self.transpose(x, s, multiplier)
+    return vx - dx, vs - ds
+
+  def shake(self, x_n, s_n, step_x, step_s, quasi_newton):
+    """``(q, impulse, iterations, converged)`` per unit: ``q = z_n + step + impulse`` on M.
+
+    ``impulse = G(z_n)^T lambda``. Where a unit did not converge, ``q`` is the
+    last iterate (the caller keeps ``z_n`` there) and its impulse is 0.
+    """
+    c = self.constraint
+    if quasi_newton:
+      fixed = self.products(x_n, s_n, x_n, s_n)
+      matrix = lambda qx, qs: fixed
+    else:
+      matrix = lambda qx, qs: self.products(qx, qs, x_n, s_n)
+
+    def pending(carry):
+      _, _, _, gq, k = carry
+      # NaN compares False: a diverged unit stops.
+      return (self.worst(gq) > c.tolerance) & (k < c.max_iterations)
+
+    def iterate(carry):
+      lam, qx, qs, gq, k = carry
+      active = pending(carry)
+      delta = jnp.where(active[..., None], _solve(matrix(qx, qs), gq, symmetric=quasi_newton), 0)
+      # From the current iterate (not from z_n + step + G_n^T lambda afresh), so
+      # that the rounding of the large G_n^T lambda is corrected, not redrawn.
+      dx, ds = self.transpose(x_n, s_n, delta)
+      qx, qs = qx - dx, qs - ds
+      return lam - delta, qx, qs, self.values(qx, qs), k + active
+
+    moved_x, moved_s = x_n + step_x, s_n + step_s
+    start = (
+      jnp.zeros(self.layout.other_shape + (self.components,), x_n.dtype),
+      moved_x,
+      moved_s,
+      self.values(moved_x, moved_s),
+      jnp.zeros(self.layout.other_shape, jnp.int32),
+    )
+    lam, qx, qs, gq, k = jax.lax.while_loop(lambda carry: jnp.any(pending(carry)), iterate, start)
+    converged = (self.worst(gq) <= c.tolerance) & self.finite(qx, qs)
+    impulse = self.transpose(x_n, s_n, jnp.where(converged[..., None], lam, 0))
+    return (qx, qs), impulse, k, converged
+
+
+def _drawn_once(key, shape, dtype):
+  """``jax.random.normal(key, shape, dtype)``, written to memory once on XLA:CPU.
+
+  The projections read an ambient noise vector in several loops (one per
+  reduction, and the result), and XLA:CPU, which has no multi-output fusion,
+  would recompute the generator's hash in each. The result of a conditional
+  is written once. Both branches give the same numbers
+  (:func:`~cola_jax._noise.normal` is ``jax.random.normal`` bit for bit, in
+  a different program that XLA does not merge), so any predicate will do.
+  """
+  draw = lambda: _noise.normal(key, shape, dtype)
+  if jax.default_backend() != "cpu":  # multi-output fusion: nothing is recomputed
+    return draw()
+  bits = jax.random.key_data(key).ravel()
+  return jax.lax.cond(bits[0] >= bits[-1], draw, lambda: jax.random.normal(key, shape, dtype))
+
+
+# Up to this many components per unit, the Jacobian's rows are separate arrays
+# and the small systems are solved by elimination written out entry by entry
+# (elementwise over the units; LAPACK's batched solve loops over them).
+_FEW_COMPONENTS = 8
+
+
+def _solve(matrix, rhs, symmetric):
+  """``matrix^{-1} rhs`` for a batch of small systems ``(..., m, m)``, ``(..., m)``.
+
+  Few components: Gaussian elimination with partial pivoting, unrolled.
+  Otherwise LAPACK: Cholesky for the symmetric positive definite ``G G^T``,
+  LU for Newton's ``G(q) G(q_n)^T``.
+  """
+  m = rhs.shape[-1]
+  if m <= _FEW_COMPONENTS:
+    return _eliminate([[matrix[..., i, j] for j in range(m)] for i in range(m)], [rhs[..., i] for i in range(m)])
+  if symmetric:
+    return jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(matrix), rhs[..., None])[..., 0]
+  return jnp.linalg.solve(matrix, rhs[..., None])[..., 0]
+
+
+def _eliminate(a, b):
+  """Gaussian elimination with partial pivoting on lists of entries (arrays of one shape)."""
+  m = len(b)
+  for k in range(m):
+    for i in range(k + 1, m):  # a tournament: the largest |a[.][k]| ends in row k
+      swap = jnp.abs(a[i][k]) > jnp.abs(a[k][k])
+      a[k], a[i] = (
+        [jnp.where(swap, x, y) for x, y in zip(a[i], a[k])],
+        [jnp.where(swap, y, x) for x, y in zip(a[i], a[k])],
+      )
+      b[k], b[i] = jnp.where(swap, b[i], b[k]), jnp.where(swap, b[k], b[i])
+    for i in range(k + 1, m):
+      factor = a[i][k] / a[k][k]
+      a[i] = [a[i][j] - factor * a[k][j] for j in range(m)]
+      b[i] = b[i] - factor * b[k]
+  x = {}
+  for i in reversed(range(m)):
+    x[i] = (b[i] - sum((a[i][j] * x[j] for j in range(i + 1, m)), jnp.zeros_like(b[i]))) / a[i][i]
+  return jnp.stack([x[i] for i in range(m)], -1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,8 +413,6 @@ class Implicit(Constraint):
     check_positive_integer("Implicit", "max_iterations", self.max_iterations)
     object.__setattr__(self, "axis", _axes.normalize("Implicit", "axis", self.axis))
 
-  # The constraint function on flat vectors z = (x.ravel(), s.ravel()).
-
   def validate(self, param, path):
     dtype = jnp.promote_types(param.dtype, jnp.float32)
     where = f"Implicit constraint on the leaf at {path}, of shape {param.shape}"
@@ -269,97 +447,57 @@ class Implicit(Constraint):
         "(leaf entries and slacks); G G^T cannot be invertible."
       )
 
-  def _slack_shape(self, shape, dtype):
+  def _layout(self, shape) -> UnitLayout:
+    """The units of a leaf of ``shape``: the whole leaf without ``axis``."""
+    ndim = len(shape)
+    unit = tuple(range(ndim)) if self.axis is None else tuple(sorted(a % ndim for a in self.axis))
+    return UnitLayout(tuple(shape), unit)
+
+  def _geometry(self, shape) -> _Geometry:
+    layout = self._layout(shape)
+    unit = jax.ShapeDtypeStruct(layout.unit_shape, jnp.float32)
+    sizes = [0 if fn is None else math.prod(jax.eval_shape(fn, unit).shape) for fn in (self.equality, self.inequality)]
+    return _Geometry(self, layout, *sizes)
+
+  def _slack_shape(self, shape):
+    """The stored slacks: ``(*other shape, *inequality(unit).shape)``, or ``(*other shape, 0)``."""
+    layout = self._layout(shape)
     if self.inequality is None:
-      return (0,)
-    return jax.eval_shape(self.inequality, jax.ShapeDtypeStruct(shape, dtype)).shape
-
-  def _pack(self, x, slack):
-    return jnp.concatenate([x.ravel(), slack.ravel()])
-
-  def _g(self, shape) -> Callable[[jax.Array], jax.Array]:
-    """``z -> g(z)`` for a leaf of shape ``shape``, flat in and out."""
-    n = math.prod(shape)
-
-    def g(z):
-      x = z[:n].reshape(shape)
-      parts = []
-      if self.equality is not None:
-        parts.append(jnp.ravel(self.equality(x)).astype(z.dtype))
-      if self.inequality is not None:
-        s = z[n:]
-        parts.append(jnp.ravel(self.inequality(x)).astype(z.dtype) + s * s)
-      return jnp.concatenate(parts)
-
-    return g
-
-  def _shake(self, g, z_n, step, quasi_newton):
-    """``(q, impulse, iterations, converged)``: ``q = z_n + step + impulse`` on M.
-
-    ``impulse = G(z_n)^T lambda``; not converged: ``q = z_n`` and ``impulse = 0``.
-    """
-    jacobian = jax.jacrev(g)
-    g_n = jacobian(z_n)
-    moved = z_n + step
-    if quasi_newton:
-      factor = jax.scipy.linalg.cho_factor(_matmul(g_n, g_n.T))
-      newton_step = lambda q, gq: jax.scipy.linalg.cho_solve(factor, gq)
-    else:
-      newton_step = lambda q, gq: jnp.linalg.solve(_matmul(jacobian(q), g_n.T), gq)
-
-    def not_done(carry):
-      _, _, gq, k = carry
-      # NaN compares False: a diverged iteration stops here.
-      return (jnp.max(jnp.abs(gq)) > self.tolerance) & (k < self.max_iterations)
-
-    def iterate(carry):
-      lam, q, gq, k = carry
-      lam = lam - newton_step(q, gq)
-      q = moved + _matmul(g_n.T, lam)
-      return lam, q, g(q), k + 1
-
-    lam0 = jnp.zeros(g_n.shape[0], z_n.dtype)
-    lam, q, gq, k = jax.lax.while_loop(not_done, iterate, (lam0, moved, g(moved), jnp.zeros((), jnp.int32)))
-    converged = (jnp.max(jnp.abs(gq)) <= self.tolerance) & jnp.all(jnp.isfinite(q))
-    impulse = _matmul(g_n.T, jnp.where(converged, lam, jnp.zeros_like(lam)))
-    return jnp.where(converged, q, z_n), impulse, k, converged
-
-  def _flat(self, point):
-    return self._pack(point.x, point.slack)
-
-  def _unflat(self, z, like, iterations, converged):
-    n = like.x.size
-    return ImplicitPoint(z[:n].reshape(like.x.shape), z[n:].reshape(like.slack.shape), iterations, converged)
+      return layout.other_shape + (0,)
+    unit = jax.ShapeDtypeStruct(layout.unit_shape, jnp.float32)
+    return layout.other_shape + jax.eval_shape(self.inequality, unit).shape
 
   # The Constraint interface.
 
-  @_or_per_unit
   def init(self, param):
     if self.inequality is None:
-      slack = jnp.zeros((0,), param.dtype)
+      slack = jnp.zeros(self._slack_shape(param.shape), param.dtype)
     else:
-      slack = jnp.sqrt(jnp.maximum(-self.inequality(param).astype(param.dtype), 0))
+      d = self._layout(param.shape).map(self.inequality)(param).astype(param.dtype)
+      slack = jnp.sqrt(jnp.maximum(-d, 0))
     return ImplicitState(slack=slack, iterations=jnp.zeros((), jnp.int32), converged=jnp.array(True), constraint=self)
 
-  @_or_per_unit
   def point(self, param, aux):
-    """The leaf and slacks; projected from themselves first if ``max |g| > tolerance``."""
-    g = self._g(param.shape)
-    z = self._pack(param, aux.slack.astype(param.dtype))
-    off = ~(jnp.max(jnp.abs(g(z))) <= self.tolerance)  # NaN too: its projection fails, flagged
+    """The leaf and slacks; the units with ``max |g| > tolerance`` projected from themselves first."""
+    geometry = self._geometry(param.shape)
+    s = geometry.slack_matrix(aux.slack.astype(param.dtype))
+    off = ~(geometry.worst(geometry.values(param, s)) <= self.tolerance)  # NaN too: its projection fails, flagged
 
     # A while loop of at most one iteration rather than lax.cond: under vmap a
     # cond runs both branches for every member, the loop only while one needs it.
+    # Units on the manifold are left as they are by the projection (no iteration).
     def reproject(carry):
-      z, _, _, _ = carry
-      q, _, k, converged = self._shake(g, z, jnp.zeros_like(z), quasi_newton=False)
-      return q, k, converged, jnp.array(False)
+      x, s, _, _, _ = carry
+      q, _, k, converged = geometry.shake(x, s, jnp.zeros_like(x), jnp.zeros_like(s), quasi_newton=False)
+      return *geometry.where(converged, q, (x, s)), k, converged, jnp.array(False)
 
-    z, k, converged, _ = jax.lax.while_loop(
-      lambda carry: carry[3], reproject, (z, jnp.zeros((), jnp.int32), jnp.array(True), off)
+    per_unit = geometry.layout.other_shape
+    x, s, k, converged, _ = jax.lax.while_loop(
+      lambda carry: carry[4],
+      reproject,
+      (param, s, jnp.zeros(per_unit, jnp.int32), jnp.ones(per_unit, bool), jnp.any(off)),
     )
-    n = param.size
-    return ImplicitPoint(z[:n].reshape(param.shape), z[n:].reshape(aux.slack.shape), k, converged)
+    return ImplicitPoint(x, s.reshape(aux.slack.shape), k, converged)
 
   def nearest(self, param):
     """The parameter projected onto the manifold from itself (see the module docstring).
@@ -380,127 +518,52 @@ class Implicit(Constraint):
       )
     return self.unpack(point, param)[0]
 
-  @_or_per_unit
   def unpack(self, point, param):
     return point.x, ImplicitState(
-      slack=point.slack, iterations=point.iterations, converged=point.converged, constraint=self
-    )
-
-  @_or_per_unit
-  def ambient_gradient(self, point, grad):
-    return jnp.concatenate([grad.ravel(), jnp.zeros(point.slack.size, grad.dtype)])
-
-  @_or_per_unit
-  def ambient_normal(self, key, point):
-    return _noise.normal(key, (point.x.size + point.slack.size,), point.x.dtype)
-
-  @_or_per_unit
-  def project(self, anchor, step):
-    q, _, k, converged = self._shake(self._g(anchor.x.shape), self._flat(anchor), step, self.quasi_newton)
-    return self._unflat(q, anchor, anchor.iterations + k, anchor.converged & converged)
-
-  @_or_per_unit
-  def cotangent(self, point, vector):
-    return self._cotangent(self._g(point.x.shape), self._flat(point), vector)
-
-  def _cotangent(self, g, z, vector):
-    jac = jax.jacrev(g)(z)
-    factor = jax.scipy.linalg.cho_factor(_matmul(jac, jac.T))
-    return vector - _matmul(jac.T, jax.scipy.linalg.cho_solve(factor, _matmul(jac, vector)))
-
-  def cotangent_normal(self, key, point):
-    return self.cotangent(point, self.ambient_normal(key, point))
-
-  @_or_per_unit
-  def zero_momentum(self, param):
-    """The momentum is stored flat, ``(n + k,)``: the leaf's coordinates, then the slacks'."""
-    return jnp.zeros(param.size + math.prod(self._slack_shape(param.shape, param.dtype)), param.dtype)
-
-  @_or_per_unit
-  def a_step(self, point, momentum, h):
-    g = self._g(point.x.shape)
-    z_n = self._flat(point)
-    q, impulse, k, converged = self._shake(g, z_n, h * momentum, self.quasi_newton)
-    # At h = 0 nothing moves: no impulse (rather than 0 / 0).
-    moving = h != 0
-    impulse = jnp.where(moving, impulse * (1 / jnp.where(moving, h, 1)), 0)
-    new_momentum = self._cotangent(g, q, momentum + impulse)
-    accepted = converged & jnp.all(jnp.isfinite(new_momentum))
-    # Rejected: stay at q_n with the momentum reversed.
-    q = jnp.where(accepted, q, z_n)
-    new_momentum = jnp.where(accepted, new_momentum, -momentum)
-    return (self._unflat(q, point, point.iterations + k, point.converged & accepted), new_momentum)
-
-  # Per unit (axis given): the whole-leaf geometry above applied to each unit,
-  # jax.vmap-ed over the units, which are brought to one leading axis.
-
-  @property
-  def _unit(self) -> "Implicit":
-    """The constraint on one unit: the same functions on the unit as a whole leaf."""
-    return dataclasses.replace(self, axis=None)
-
-  def _unit_axes(self, ndim):
-    """(other axes, unit axes) of a leaf of rank ``ndim``."""
-    unit = tuple(sorted(a % ndim for a in self.axis or ()))
-    return _axes.others(ndim, unit), unit
-
-  def _units(self, x):
-    """The units of ``x``: ``(units, *unit shape)``, in the row-major order of the other axes."""
-    return _axes.to_parts(x, *self._unit_axes(x.ndim))
-
-  def _unit_slacks(self, slack, ndim):
-    """The stored slacks ``(*other axes, *d shape)`` as ``(units, *d shape)``."""
-    others = len(self._unit_axes(ndim)[0])
-    return slack.reshape((math.prod(slack.shape[:others]),) + slack.shape[others:])
-
-  def _unit_state(self, slack):
-    unit = self._unit
-    return ImplicitState(slack=slack, iterations=jnp.zeros((), jnp.int32), converged=jnp.array(True), constraint=unit)
-
-  def _per_unit_residual(self, param, slack):
-    slacks = self._unit_slacks(slack, param.ndim)
-    return jnp.max(jax.vmap(lambda x, s: self._unit_state(s).residual(x))(self._units(param), slacks))
-
-  def _per_unit_init(self, param):
-    slacks = jax.vmap(self._unit.init)(self._units(param)).slack
-    other_shape = tuple(param.shape[a] for a in self._unit_axes(param.ndim)[0])
-    return ImplicitState(
-      slack=slacks.reshape(other_shape + slacks.shape[1:]),
-      iterations=jnp.zeros((), jnp.int32),
-      converged=jnp.array(True),
-      constraint=self,
-    )
-
-  def _per_unit_point(self, param, aux):
-    slacks = self._unit_slacks(aux.slack, param.ndim)
-    return jax.vmap(lambda x, s: self._unit.point(x, self._unit_state(s)))(self._units(param), slacks)
-
-  def _per_unit_unpack(self, point, param):
-    others, unit = self._unit_axes(param.ndim)
-    other_shape = tuple(param.shape[a] for a in others)
-    x = _axes.from_parts(point.x, param.shape, others, unit)
-    return x, ImplicitState(
-      slack=point.slack.reshape(other_shape + point.slack.shape[1:]),
+      slack=point.slack,
       iterations=jnp.max(point.iterations),
       converged=jnp.all(point.converged),
       constraint=self,
     )
 
-  def _per_unit_ambient_gradient(self, point, grad):
-    return jax.vmap(self._unit.ambient_gradient)(point, self._units(grad))
+  def ambient_gradient(self, point, grad):
+    """Ambient vectors and momenta are flat, ``(n + K,)``: the leaf's entries, then the slacks'."""
+    return jnp.concatenate([grad.ravel(), jnp.zeros(point.slack.size, grad.dtype)])
 
-  def _per_unit_ambient_normal(self, key, point):
-    size = math.prod(point.x.shape[1:]) + math.prod(point.slack.shape[1:])
-    return _noise.normal(key, (point.x.shape[0], size), point.x.dtype)
+  def ambient_normal(self, key, point):
+    return _drawn_once(key, (point.x.size + point.slack.size,), point.x.dtype)
 
-  def _per_unit_project(self, anchor, step):
-    return jax.vmap(self._unit.project)(anchor, step)
+  def project(self, anchor, step):
+    geometry = self._geometry(anchor.x.shape)
+    s = geometry.slack_matrix(anchor.slack)
+    q, _, k, converged = geometry.shake(anchor.x, s, *geometry.split(step), self.quasi_newton)
+    x, s = geometry.where(converged, q, (anchor.x, s))
+    return ImplicitPoint(x, s.reshape(anchor.slack.shape), anchor.iterations + k, anchor.converged & converged)
 
-  def _per_unit_cotangent(self, point, vector):
-    return jax.vmap(self._unit.cotangent)(point, vector)
+  def cotangent(self, point, vector):
+    geometry = self._geometry(point.x.shape)
+    return geometry.join(*geometry.cotangent(point.x, geometry.slack_matrix(point.slack), *geometry.split(vector)))
 
-  def _per_unit_zero_momentum(self, param):
-    return jax.vmap(self._unit.zero_momentum)(self._units(param))
+  def cotangent_normal(self, key, point):
+    return self.cotangent(point, _drawn_once(key, (point.x.size + point.slack.size,), point.x.dtype))
 
-  def _per_unit_a_step(self, point, momentum, h):
-    return jax.vmap(self._unit.a_step, in_axes=(0, 0, None))(point, momentum, h)
+  def zero_momentum(self, param):
+    """The momentum is stored flat, ``(n + K,)``: the leaf's entries, then the slacks' (``K`` of them)."""
+    return jnp.zeros(param.size + math.prod(self._slack_shape(param.shape)), param.dtype)
+
+  def a_step(self, point, momentum, h):
+    geometry = self._geometry(point.x.shape)
+    x_n, s_n = point.x, geometry.slack_matrix(point.slack)
+    px, ps = geometry.split(momentum)
+    (qx, qs), (ix, is_), k, converged = geometry.shake(x_n, s_n, h * px, h * ps, self.quasi_newton)
+    # At h = 0 nothing moves: no impulse (rather than 0 / 0).
+    moving = h != 0
+    inverse_h = jnp.where(moving, 1 / jnp.where(moving, h, 1), 0)
+    kick = lambda impulse: jnp.where(moving, impulse * inverse_h, 0)
+    new_px, new_ps = geometry.cotangent(qx, qs, px + kick(ix), ps + kick(is_))
+    accepted = converged & geometry.finite(new_px, new_ps)
+    # Rejected units (not converged, or a non-finite momentum) stay at q_n with the momentum reversed.
+    qx, qs = geometry.where(accepted, (qx, qs), (x_n, s_n))
+    new_px, new_ps = geometry.where(accepted, (new_px, new_ps), (-px, -ps))
+    new_point = ImplicitPoint(qx, qs.reshape(point.slack.shape), point.iterations + k, point.converged & accepted)
+    return new_point, geometry.join(new_px, new_ps)
