@@ -56,3 +56,8 @@ class MLP(nn.Module):
         x = self.activation(x)
       x = Dense(width, kernel_init=self.kernel_init(i), name=f"layer{i}")(x)
     return x
+
+
+def param_path(path) -> str:
+  """``"layer1/kernel"`` for the key path of a parameter leaf, as ``cola.path_constraints`` matches it."""
+  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
