@@ -72,3 +72,11 @@ def test_member_equals_its_run_alone():
   np.testing.assert_allclose(both.rows([1])["train_loss"], alone.rows([0])["train_loss"], rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a[1], b[0], rtol=1e-5, atol=1e-6), both.params, alone.params)
   assert both.history["epoch"] == [2, 4]
+
+
+def test_param_path_is_the_path_path_constraints_matches():
+  params = models.MLP((4, 1)).init(jax.random.key(0), np.zeros((1, 3)))["params"]
+  paths = [models.param_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  assert paths == ["layer0/bias", "layer0/kernel", "layer1/bias", "layer1/kernel"]
+  tree = cola.path_constraints([("^layer1/kernel$", cola.Circle(0.5))])(params)
+  assert jax.tree.leaves(tree) == [cola.Circle(0.5)]

@@ -88,7 +88,9 @@ def test_json_schema(lm, smoke_run):
     assert data["summary"][method]["min_valid_loss_mean"] == pytest.approx(np.mean(entry["min_valid_loss"]))
     # The synthetic corpus is learnable: well below the loss at initialisation after 3 epochs.
     assert np.mean(entry["min_valid_loss"]) < np.mean(entry["valid_loss_at_init"]) - 1.0
-  assert data["results"]["ccola_ud"]["hyperparameters"]["sgd_momentum_equivalent"]["learning_rate"] == 0.16
+  assert data["results"]["ccola_ud"]["hyperparameters"]["sgd_momentum_equivalent"]["learning_rate"] == pytest.approx(
+    0.16
+  )
   # Both methods start from the same parameters (paired seeds).
   inits = [entry["valid_loss_at_init"] for entry in data["results"].values()]
   assert inits[0] == inits[1]
