@@ -91,10 +91,13 @@ class Circle(Constraint):
   def point(self, param, aux):
     r = jnp.asarray(self.radius, param.dtype)
     # Both entries in [-r, r] (a healthy slack is): the pair scaled by 1/r
-    # cannot overflow, and the cheaper fixed scale serves.
-    theta, xi = jnp.clip(param, -r, r), jnp.clip(aux.slack.astype(param.dtype), -r, r)
-    theta = jnp.where(jnp.isinf(param), jnp.nan, theta)  # clipping would hide it
-    return self._onto_circle(theta, xi, 1 / r)
+    # cannot overflow, and the cheaper fixed scale serves. param * 0 is NaN
+    # for an infinite weight, which clipping would hide.
+    theta = jnp.clip(param, -r, r) + param * 0
+    xi = jnp.clip(aux.slack.astype(param.dtype), -r, r)
+    # The loops of the new weight, slack and momentum all read the pair:
+    # normalised once and written to memory (see computed_together).
+    return computed_together(*self._onto_circle(theta, xi, 1 / r))
 
   def _onto_circle(self, theta, xi, scale=None):
     """Radial projection ``r (theta, xi) / |(theta, xi)|``; ``(0, r)`` at the origin.
@@ -149,6 +152,10 @@ class Circle(Constraint):
     v_theta, v_xi = vector
     return (v_theta * xi - v_xi * theta) * (1 / jnp.asarray(self.radius, theta.dtype))
 
+  def projected_gradient(self, point, grad):
+    _, xi = point
+    return grad * xi * (1 / jnp.asarray(self.radius, xi.dtype))
+
   def cotangent_normal(self, key, point):
     theta, _ = point
     return _noise.normal(key, theta.shape, theta.dtype, out_sharding=explicit_sharding(theta))
@@ -165,7 +172,8 @@ class Circle(Constraint):
     fused update (measured: c-CoLA-ud update 2.9x -> 5.1x SGD-m's).
     """
     angle = momentum * (h * (1 / jnp.asarray(self.radius, momentum.dtype)))
-    return _rotate(angle, *point), momentum
+    # One loop for both coordinates: the sine and cosine are computed once.
+    return computed_together(*_rotate(angle, *point)), momentum
 
 
 def _rotate(angle, theta, xi):
