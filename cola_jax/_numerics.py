@@ -95,8 +95,8 @@ def _reduce_large(x):
   return jnp.where(negative, -y, y), jnp.where(negative, -k, k)
 
 
-def _sincos_reduced(y, quadrant):
-  """``sin`` and ``cos`` of ``k pi/2 + y`` for ``|y| <= pi/4`` (minimax polynomials).
+def sincos_of_quarter_turns(y, quadrant):
+  """``sin`` and ``cos`` of ``k pi/2 + y`` for float32 ``|y| <= pi/4`` (minimax polynomials).
 
   ``quadrant`` is an int32 whose two low bits are ``k mod 4``. The quadrant
   swaps sine and cosine (odd ``k``) and flips their sign bits (an xor), which
@@ -157,7 +157,7 @@ def sincos_fast(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   if x.dtype != jnp.float32:
     return jnp.sin(x), jnp.cos(x)
   y, quadrant = _cody_waite(x)
-  return _sincos_reduced(jnp.clip(y, -_QUARTER_TURN, _QUARTER_TURN), quadrant)
+  return sincos_of_quarter_turns(jnp.clip(y, -_QUARTER_TURN, _QUARTER_TURN), quadrant)
 
 
 def sincos(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -180,7 +180,7 @@ def sincos(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   large = ~(jnp.abs(x) < FAST_SINCOS_LIMIT)  # NaN too
   # k_large is a small integer (its quadrant mod 4 is what counts): exact as an int32.
   quadrant_large = k_large.astype(jnp.int32)
-  return _sincos_reduced(jnp.where(large, y_large, y), jnp.where(large, quadrant_large, quadrant))
+  return sincos_of_quarter_turns(jnp.where(large, y_large, y), jnp.where(large, quadrant_large, quadrant))
 
 
 def with_sincos(fn, x: jax.Array, *operands):

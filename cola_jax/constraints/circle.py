@@ -11,6 +11,13 @@ spanned by the unit tangent ``t = (xi, -theta) / r``; the momentum is stored as
 its coordinate ``v`` along ``t`` (one array, shaped like the weight), and the
 projected noise is one standard normal per weight.
 
+Noise: two standard normal numbers per Threefry hash of the key
+(:func:`cola_jax._noise.normal_pair`, Box-Muller), not ``jax.random.normal``'s
+numbers: the overdamped step's pair ``(theta, xi)`` from one hash, the
+underdamped momenta of neighbouring entries along the first even axis other
+than the last from one hash (:func:`cola_jax._noise.normal_paired`; leaves
+without such an axis draw ``jax.random.normal``'s numbers).
+
 The A step is the exact geodesic flow: a rotation of ``(theta, xi)`` by the
 angle ``h v / r``, with ``v`` unchanged. The overdamped projection is the
 orthogonal (radial) one, ``r (theta, xi) / |(theta, xi)|``, which keeps the
@@ -136,13 +143,10 @@ class Circle(Constraint):
 
   def ambient_normal(self, key, point):
     theta, _ = point
-    sharding = explicit_sharding(theta)
-    if sharding is not None:  # the pair axis in front, unsharded
-      sharding = sharding.update(spec=jax.sharding.PartitionSpec(None, *sharding.spec))
-    noise = _noise.normal(key, (2,) + theta.shape, theta.dtype, out_sharding=sharding)
-    # Both halves feed both new coordinates: drawn once into memory rather
-    # than recomputed in each coordinate's loop.
-    return computed_together(noise[0], noise[1])
+    noise = _noise.normal_pair(key, theta.shape, theta.dtype, out_sharding=explicit_sharding(theta))
+    # Both feed both new coordinates: drawn once into memory rather than
+    # recomputed in each coordinate's loop.
+    return computed_together(*noise)
 
   def project(self, anchor, step):
     return self._onto_circle(anchor[0] + step[0], anchor[1] + step[1])
@@ -158,7 +162,7 @@ class Circle(Constraint):
 
   def cotangent_normal(self, key, point):
     theta, _ = point
-    return _noise.normal(key, theta.shape, theta.dtype, out_sharding=explicit_sharding(theta))
+    return _noise.normal_paired(key, theta.shape, theta.dtype, out_sharding=explicit_sharding(theta))
 
   def a_step(self, point, momentum, h):
     """The rotation of ``(theta, xi)`` by the angle ``h v / r``, a rotation for every finite angle.
