@@ -253,16 +253,27 @@ def computed_together(*arrays: jax.Array) -> tuple[jax.Array, ...]:
   consumers need is recomputed inside each consumer's loop (or written out
   piecewise, where it contains a ``log`` or ``sqrt``). A variadic reduction is
   one loop with several results, so on CPU the arrays are returned as sums over
-  a trailing axis of length two whose second entries are zeros (``x + 0`` is
-  ``x``, up to the sign of a zero): every intermediate they share is computed
-  once and each array is written to memory once. Other backends fuse
+  a trailing axis of length two whose second entries are negative zeros
+  (``x + (-0)`` is ``x`` exactly, and the compiler drops the addition): every
+  intermediate they share is computed once and each array is written to
+  memory once. Other backends fuse
   multi-output loops themselves and get the arrays as they are.
+
+  The reduction's loop runs over the arrays' shape with the last axis
+  innermost and vectorised (a last axis of 10 leaves most of each row to
+  scalar code), so with a single device the arrays are flattened first (a
+  free reshape); with several, where an axis may be sharded and a reshape
+  across it would move data between devices, they keep their shape.
   """
   if jax.default_backend() != "cpu" or not arrays:
     return arrays
-  padded = tuple(jnp.stack([x, jnp.zeros_like(x)], axis=-1) for x in arrays)
-  zeros = tuple(np.zeros((), x.dtype) for x in arrays)
-  return tuple(jax.lax.reduce(padded, zeros, lambda a, b: tuple(u + v for u, v in zip(a, b)), (arrays[0].ndim,)))
+  shape = arrays[0].shape
+  if jax.device_count() == 1:
+    arrays = tuple(x.reshape(-1) for x in arrays)
+  zeros = tuple(np.array(-0.0 if jnp.issubdtype(x.dtype, jnp.inexact) else 0, x.dtype) for x in arrays)
+  padded = tuple(jnp.stack([x, jnp.full_like(x, zero)], axis=-1) for x, zero in zip(arrays, zeros))
+  summed = jax.lax.reduce(padded, zeros, lambda a, b: tuple(u + v for u, v in zip(a, b)), (arrays[0].ndim,))
+  return tuple(x.reshape(shape) for x in summed)
 
 
 @computed_together.defjvp

@@ -85,10 +85,12 @@ def test_computed_together_returns_its_arguments():
   x = jax.random.normal(jax.random.key(0), (3, 5))
   y = jnp.arange(15.0).reshape(3, 5) - 7
   n = jnp.arange(15, dtype=jnp.int32).reshape(3, 5)
+  x = x.at[0, 0].set(-0.0)
   together = jax.jit(computed_together)(x, y, n)
   for a, b in zip(together, (x, y, n)):
-    assert a.dtype == b.dtype
+    assert a.dtype == b.dtype and a.shape == b.shape
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert np.signbit(np.asarray(together[0])[0, 0])  # -0 stays -0: x + (-0) is x exactly
   batched = jax.vmap(computed_together)(x, y)
   np.testing.assert_array_equal(np.asarray(batched[1]), np.asarray(y))
   # The identity's derivative, under grad and jvp.
