@@ -276,24 +276,30 @@ def build(kind: str, tx, loss_fn, params, grads, batch):
 
 
 def array_passes(fn, carry, shape) -> dict | None:
-  """Arrays of ``shape`` read and written by the compiled ``fn``'s top-level loops.
+  """Arrays of ``shape``'s size read and written by the compiled ``fn``'s top-level loops.
 
   An elementwise update is memory-bound at this size, so these counts (for the
-  largest leaf) explain its time independently of the machine. Parsed from
-  XLA's HLO text; None if the format is not understood.
+  largest leaf) explain its time independently of the machine. An array counts
+  whatever its shape (a flattened copy is as much traffic). Parsed from XLA's
+  HLO text; None if the format is not understood.
   """
   text = fn.lower(*carry).compile().as_text()
   if "ENTRY" not in text:
     return None
   entry = text[text.index("ENTRY") :].split("\n}", 1)[0]
-  wanted = f"[{','.join(map(str, shape))}]"
-  shapes = dict(re.findall(r"%(\S+) = (\S+) ", entry))
+  size = math.prod(shape)
+
+  def arrays(type_text: str) -> int:
+    dims = re.findall(r"\w+\[([\d,]*)\]", type_text)
+    return sum(math.prod(int(d) for d in found.split(",") if d) == size for found in dims)
+
+  types = dict(re.findall(r"%(\S+) = (\S+) ", entry))
   reads = writes = 0
-  for _name, out, op, args in re.findall(r"%(\S+) = (\S+) ([\w-]+)\((.*?)\)", entry):
+  for _name, out, op, args in re.findall(r"%(\S+) = (\(.*?\)|\S+) ([\w-]+)\((.*?)\)", entry):
     if op in ("parameter", "tuple", "get-tuple-element", "bitcast", "constant"):
       continue
-    writes += out.count(wanted)
-    reads += sum(wanted in shapes.get(arg, "") for arg in re.findall(r"%([\w.\-]+)", args))
+    writes += arrays(out)
+    reads += sum(arrays(types.get(arg, "")) for arg in re.findall(r"%([\w.\-]+)", args))
   return {"reads": reads, "writes": writes}
 
 

@@ -13,6 +13,11 @@ _PIO2_HI = np.float32(1.5703125)
 _PIO2_MID = np.float32(4.837512969970703125e-4)
 _PIO2_LO = np.float32(7.54978995489188216e-8)
 FAST_SINCOS_LIMIT = np.float32(2.0**13)
+# 1.5 * 2**23: for |v| < 2**22, v + _ROUNDER rounds v to the nearest integer k
+# (the float32 spacing there is 1), and the low bits of its bit pattern are those
+# of k (two's complement: 2**22 + k in the mantissa).
+_ROUNDER = np.float32(1.5 * 2**23)
+_ROUNDER_BITS = np.float32(1.5 * 2**23).view(np.int32)
 # Just above pi/4: Cody-Waite leaves |y| <= pi/4 (to rounding) below FAST_SINCOS_LIMIT.
 _QUARTER_TURN = np.float32(0.7854)
 
@@ -90,8 +95,13 @@ def _reduce_large(x):
   return jnp.where(negative, -y, y), jnp.where(negative, -k, k)
 
 
-def _sincos_reduced(y, k):
-  """``sin`` and ``cos`` of ``k pi/2 + y`` for ``|y| <= pi/4`` (minimax polynomials)."""
+def sincos_of_quarter_turns(y, quadrant):
+  """``sin`` and ``cos`` of ``k pi/2 + y`` for float32 ``|y| <= pi/4`` (minimax polynomials).
+
+  ``quadrant`` is an int32 whose two low bits are ``k mod 4``. The quadrant
+  swaps sine and cosine (odd ``k``) and flips their sign bits (an xor), which
+  costs a few integer operations instead of comparisons and selects.
+  """
   y2 = y * y
   sin_y = y + y * y2 * (
     np.float32(-1.6666654611e-1) + y2 * (np.float32(8.3321608736e-3) + y2 * np.float32(-1.9515295891e-4))
@@ -99,18 +109,34 @@ def _sincos_reduced(y, k):
   cos_y = (1 - 0.5 * y2) + y2 * y2 * (
     np.float32(4.166664568298827e-2) + y2 * (np.float32(-1.388731625493765e-3) + y2 * np.float32(2.443315711809948e-5))
   )
-  quadrant = k.astype(jnp.int32) & 3
-  odd = (quadrant & 1) == 1
+  odd = (quadrant & 1) != 0
   sin_x = jnp.where(odd, cos_y, sin_y)
   cos_x = jnp.where(odd, sin_y, cos_y)
-  sin_x = jnp.where(quadrant >= 2, -sin_x, sin_x)
-  cos_x = jnp.where((quadrant == 1) | (quadrant == 2), -cos_x, cos_x)
-  return sin_x, cos_x
+  # sin(k pi/2 + y) is negative-signed for k mod 4 in {2, 3}, cos for k mod 4 in {1, 2}.
+  sign = np.int32(-(2**31))
+  sin_sign = (quadrant << 30) & sign
+  cos_sign = ((quadrant + 1) << 30) & sign
+  return _flip_sign(sin_x, sin_sign), _flip_sign(cos_x, cos_sign)
+
+
+def _flip_sign(x, sign_bit):
+  return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, jnp.int32) ^ sign_bit, jnp.float32)
 
 
 def _cody_waite(x):
-  k = jnp.round(x * np.float32(2 / np.pi))
-  return x - k * _PIO2_HI - k * _PIO2_MID - k * _PIO2_LO, k
+  """``(y, quadrant)`` with ``x = k pi/2 + y``, ``k = round(x 2/pi)``, exact for ``|x| < 2**13``.
+
+  ``x 2/pi + _ROUNDER`` holds ``k`` in its low bits: the quadrant is read from
+  them and ``k`` converted from them as an integer (XLA:CPU rounds and
+  converts a float to an integer with several comparisons for saturation; and
+  it would fold ``(v + _ROUNDER) - _ROUNDER`` back to ``v``). Past ``2**22``
+  quarter turns ``k`` and the quadrant are meaningless, as is the reduction
+  (see :func:`sincos_fast`); ``inf`` and NaN give a NaN ``y``.
+  """
+  bits = jax.lax.bitcast_convert_type(x * np.float32(2 / np.pi) + _ROUNDER, jnp.int32)
+  k = (bits - _ROUNDER_BITS).astype(jnp.float32) + x * 0  # x * 0: NaN for an infinite x
+  y = x - k * _PIO2_HI - k * _PIO2_MID - k * _PIO2_LO
+  return y, bits
 
 
 def sincos_fast(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -130,8 +156,8 @@ def sincos_fast(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """
   if x.dtype != jnp.float32:
     return jnp.sin(x), jnp.cos(x)
-  y, k = _cody_waite(x)
-  return _sincos_reduced(jnp.clip(y, -_QUARTER_TURN, _QUARTER_TURN), k)
+  y, quadrant = _cody_waite(x)
+  return sincos_of_quarter_turns(jnp.clip(y, -_QUARTER_TURN, _QUARTER_TURN), quadrant)
 
 
 def sincos(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -149,10 +175,12 @@ def sincos(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """
   if x.dtype != jnp.float32:
     return jnp.sin(x), jnp.cos(x)
-  y, k = _cody_waite(x)
+  y, quadrant = _cody_waite(x)
   y_large, k_large = _reduce_large(x)
   large = ~(jnp.abs(x) < FAST_SINCOS_LIMIT)  # NaN too
-  return _sincos_reduced(jnp.where(large, y_large, y), jnp.where(large, k_large, k))
+  # k_large is a small integer (its quadrant mod 4 is what counts): exact as an int32.
+  quadrant_large = k_large.astype(jnp.int32)
+  return sincos_of_quarter_turns(jnp.where(large, y_large, y), jnp.where(large, quadrant_large, quadrant))
 
 
 def with_sincos(fn, x: jax.Array, *operands):
@@ -225,16 +253,27 @@ def computed_together(*arrays: jax.Array) -> tuple[jax.Array, ...]:
   consumers need is recomputed inside each consumer's loop (or written out
   piecewise, where it contains a ``log`` or ``sqrt``). A variadic reduction is
   one loop with several results, so on CPU the arrays are returned as sums over
-  a trailing axis of length two whose second entries are zeros (``x + 0`` is
-  ``x``, up to the sign of a zero): every intermediate they share is computed
-  once and each array is written to memory once. Other backends fuse
+  a trailing axis of length two whose second entries are negative zeros
+  (``x + (-0)`` is ``x`` exactly, and the compiler drops the addition): every
+  intermediate they share is computed once and each array is written to
+  memory once. Other backends fuse
   multi-output loops themselves and get the arrays as they are.
+
+  The reduction's loop runs over the arrays' shape with the last axis
+  innermost and vectorised (a last axis of 10 leaves most of each row to
+  scalar code), so with a single device the arrays are flattened first (a
+  free reshape); with several, where an axis may be sharded and a reshape
+  across it would move data between devices, they keep their shape.
   """
   if jax.default_backend() != "cpu" or not arrays:
     return arrays
-  padded = tuple(jnp.stack([x, jnp.zeros_like(x)], axis=-1) for x in arrays)
-  zeros = tuple(np.zeros((), x.dtype) for x in arrays)
-  return tuple(jax.lax.reduce(padded, zeros, lambda a, b: tuple(u + v for u, v in zip(a, b)), (arrays[0].ndim,)))
+  shape = arrays[0].shape
+  if jax.device_count() == 1:
+    arrays = tuple(x.reshape(-1) for x in arrays)
+  zeros = tuple(np.array(-0.0 if jnp.issubdtype(x.dtype, jnp.inexact) else 0, x.dtype) for x in arrays)
+  padded = tuple(jnp.stack([x, jnp.full_like(x, zero)], axis=-1) for x, zero in zip(arrays, zeros))
+  summed = jax.lax.reduce(padded, zeros, lambda a, b: tuple(u + v for u, v in zip(a, b)), (arrays[0].ndim,))
+  return tuple(x.reshape(shape) for x in summed)
 
 
 @computed_together.defjvp

@@ -79,7 +79,7 @@ def o_step(
 
 def b_step(constraint: Constraint, point: Point, momentum: Momentum, grad: jax.Array, h) -> Momentum:
   """The kick by the projected force: ``p - h Pi(q) grad V(q)``."""
-  return momentum - h * constraint.cotangent(point, constraint.ambient_gradient(point, grad))
+  return momentum - h * constraint.projected_gradient(point, grad)
 
 
 def a_step(constraint: Constraint, point: Point, momentum: Momentum, h) -> tuple[Point, Momentum]:

@@ -1,9 +1,11 @@
-"""The written-out Threefry normal draws the numbers of ``jax.random.normal``; one-pass helper."""
+"""The written-out Threefry normal draws the numbers of ``jax.random.normal``; the paired
+Box-Muller draws are standard normal and independent; one-pass helper."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from scipy import stats
 
 import cola_jax as cola
 from cola_jax import _noise
@@ -83,10 +85,12 @@ def test_computed_together_returns_its_arguments():
   x = jax.random.normal(jax.random.key(0), (3, 5))
   y = jnp.arange(15.0).reshape(3, 5) - 7
   n = jnp.arange(15, dtype=jnp.int32).reshape(3, 5)
+  x = x.at[0, 0].set(-0.0)
   together = jax.jit(computed_together)(x, y, n)
   for a, b in zip(together, (x, y, n)):
-    assert a.dtype == b.dtype
+    assert a.dtype == b.dtype and a.shape == b.shape
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert np.signbit(np.asarray(together[0])[0, 0])  # -0 stays -0: x + (-0) is x exactly
   batched = jax.vmap(computed_together)(x, y)
   np.testing.assert_array_equal(np.asarray(batched[1]), np.asarray(y))
   # The identity's derivative, under grad and jvp.
@@ -94,3 +98,94 @@ def test_computed_together_returns_its_arguments():
   np.testing.assert_allclose(np.asarray(grad), np.asarray(2 * x), rtol=1e-6)
   _, tangent = jax.jvp(lambda a: computed_together(a)[0], (x,), (y,))
   np.testing.assert_array_equal(np.asarray(tangent), np.asarray(y))
+
+
+# --------------------------------------------------------------------------------------
+# Two numbers per hash (Box-Muller): a different stream from the same key.
+
+
+def _pair(key, shape):
+  first, second = jax.jit(lambda k: _noise.normal_pair(k, shape, jnp.float32))(key)
+  return np.asarray(first, np.float64).ravel(), np.asarray(second, np.float64).ravel()
+
+
+def _z(statistic, expected, variance, n):
+  return (statistic - expected) / np.sqrt(variance / n)
+
+
+def test_normal_pair_is_two_independent_standard_normal_arrays():
+  first, second = _pair(jax.random.key(5), (400, 500))
+  n = first.size
+  for z in (first, second, (first + second) / np.sqrt(2), (first - second) / np.sqrt(2)):
+    assert stats.kstest(z, "norm").pvalue > 1e-3
+    assert abs(_z(z.mean(), 0, 1, n)) < 4.5
+    assert abs(_z(np.mean(z**2), 1, 2, n)) < 4.5
+    assert abs(_z(np.mean(z**4), 3, 96, n)) < 4.5
+  # Box-Muller's polar form: the squared radius is exponential with mean 2 and
+  # the angle uniform, independently.
+  radius2, angle = first**2 + second**2, np.arctan2(second, first)
+  assert stats.kstest(radius2, "expon", args=(0, 2)).pvalue > 1e-3
+  assert stats.kstest(angle, "uniform", args=(-np.pi, 2 * np.pi)).pvalue > 1e-3
+  for a, b in ((first, second), (first**2, second**2), (radius2, np.cos(4 * angle))):
+    assert abs(np.corrcoef(a, b)[0, 1]) < 4.5 / np.sqrt(n)
+  # Different from jax.random.normal's numbers, and from one key to the next.
+  assert not np.allclose(first, np.asarray(jax.random.normal(jax.random.key(5), (400 * 500,))))
+  assert not np.allclose(first, _pair(jax.random.key(6), (400, 500))[0])
+
+
+def test_normal_pair_is_a_function_of_the_key_and_the_counters():
+  # Equal up to the rounding of differently fused programs (an FMA here or there).
+  same = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+  keys = jax.random.split(jax.random.key(3), 4)
+  batched = jax.jit(jax.vmap(lambda k: _noise.normal_pair(k, (6, 7), jnp.float32)))(keys)
+  for i, key in enumerate(keys):
+    one = _noise.normal_pair(key, (6, 7), jnp.float32)
+    same(batched[0][i], one[0])
+    same(batched[1][i], one[1])
+  # The counter is the row-major index: the shape only arranges the numbers.
+  flat = _noise.normal_pair(keys[0], (42,), jnp.float32)
+  same(np.asarray(flat[1]).reshape(6, 7), batched[1][0])
+
+
+@pytest.mark.parametrize(
+  "shape, axis", [((6, 5), 0), ((3, 4, 5), 1), ((2, 1), 0), ((1, 8, 2), 1), ((4, 2, 3, 3), 0)], ids=str
+)
+def test_normal_paired_takes_neighbours_along_the_first_even_outer_axis(shape, axis):
+  key = jax.random.key(9)
+  noise = np.asarray(jax.jit(lambda k: _noise.normal_paired(k, shape, jnp.float32))(key))
+  assert noise.shape == shape and noise.dtype == np.float32
+  half = shape[:axis] + (shape[axis] // 2,) + shape[axis + 1 :]
+  first, second = (np.asarray(v) for v in _noise.normal_pair(key, half, jnp.float32))
+  even = tuple(slice(None) if a != axis else slice(0, None, 2) for a in range(len(shape)))
+  odd = tuple(slice(None) if a != axis else slice(1, None, 2) for a in range(len(shape)))
+  # The same numbers, up to the rounding of a differently fused program (an FMA).
+  np.testing.assert_allclose(noise[even], first, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(noise[odd], second, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("shape", [(), (7,), (8,), (3, 5), (1, 3, 4)], ids=str)
+def test_normal_paired_without_an_even_outer_axis_is_jax_random_normal(shape):
+  key = jax.random.key(2)
+  np.testing.assert_array_equal(
+    np.asarray(_noise.normal_paired(key, shape, jnp.float32)), np.asarray(jax.random.normal(key, shape))
+  )
+
+
+def _two_jax_draws(key, shape, dtype):
+  first, second = jax.random.split(key)
+  return jax.random.normal(first, shape, dtype), jax.random.normal(second, shape, dtype)
+
+
+def test_normal_pair_with_another_generator_is_two_jax_random_normal_draws():
+  key = jax.random.key(1, impl="rbg")
+  for ours, theirs in zip(_noise.normal_pair(key, (5, 4), jnp.float32), _two_jax_draws(key, (5, 4), jnp.float32)):
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+@pytest.mark.skipif(not hasattr(jax, "enable_x64"), reason="jax.enable_x64 needs jax >= 0.8")
+def test_normal_pair_in_float64_is_two_jax_random_normal_draws():
+  with jax.enable_x64(True):
+    key = jax.random.key(1)
+    for ours, theirs in zip(_noise.normal_pair(key, (5, 4), jnp.float64), _two_jax_draws(key, (5, 4), jnp.float64)):
+      assert ours.dtype == jnp.float64
+      np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))

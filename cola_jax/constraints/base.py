@@ -84,6 +84,14 @@ class Constraint(abc.ABC):
   def cotangent(self, point: Point, vector: Point) -> Momentum:
     """Orthogonal projection of an ambient vector onto the cotangent space."""
 
+  def projected_gradient(self, point: Point, grad: jax.Array) -> Momentum:
+    """The loss gradient projected onto the cotangent space: ``Pi(q) grad V(q)``.
+
+    By default the cotangent of :meth:`ambient_gradient`; a geometry may say it
+    more cheaply (the gradient is zero on slack variables).
+    """
+    return self.cotangent(point, self.ambient_gradient(point, grad))
+
   @abc.abstractmethod
   def cotangent_normal(self, key: jax.Array, point: Point) -> Momentum:
     """A standard normal vector of the cotangent space (projected noise)."""

@@ -152,6 +152,9 @@ class Box(Constraint):
   def cotangent(self, point, vector):
     return self._circle.cotangent(point, vector)
 
+  def projected_gradient(self, point, grad):
+    return self._circle.projected_gradient(point, grad)
+
   def cotangent_normal(self, key, point):
     return self._circle.cotangent_normal(key, point)
 
