@@ -73,8 +73,8 @@ def test_stacking_batches_the_projection_loops(monkeypatch):
     return str(jaxpr).count(" while[")
 
   # Loops in the jaxpr, nested ones included. A square leaf: the start check
-  # and its polar factor, the series term, and the solver's fallback with its
-  # own solver and polar loops (6); any other leaf: the start check and its
-  # polar factor, the solver, the polar fallback (4). The four (12, 12) leaves
-  # alone, or as one stacked group, and the three others alone.
-  assert loops(False) == 6 * 4 + 4 * 3 and loops(True) == 6 + 4 * 3
+  # and its polar factor, the correction, the series term, and the solver's
+  # fallback with its own solver and polar loops (7); any other leaf: the start
+  # check and its polar factor, the solver, the polar fallback (4). The four
+  # (12, 12) leaves alone, or as one stacked group, and the three others alone.
+  assert loops(False) == 7 * 4 + 4 * 3 and loops(True) == 7 + 4 * 3

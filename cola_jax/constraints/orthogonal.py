@@ -151,21 +151,9 @@ def polar_factor(q: jax.Array) -> jax.Array:
   return polar if replicated is None else jax.sharding.reshard(polar, sharding)
 
 
-def _unless(accepted: jax.Array, result, fallback):
-  """``result`` if ``accepted``, else ``fallback()``; costs nothing when accepted.
-
-  A ``lax.cond`` with a batched predicate becomes a select under ``vmap`` and
-  would run the fallback (an SVD, an iterative solver) for every seed at every
-  step; a while loop of at most one iteration runs it only while some member
-  of the batch needs it.
-  """
-  result, _ = jax.lax.while_loop(lambda carry: carry[1], lambda _: (fallback(), jnp.array(False)), (result, ~accepted))
-  return result
-
-
 def _polar_where(q: jax.Array, needed: jax.Array) -> jax.Array:
   """``polar_factor(q)`` where ``needed``, else ``q``; costs nothing when not needed."""
-  return _unless(~needed, q, lambda: polar_factor(q))
+  return stiefel_square.unless(~needed, q, lambda: polar_factor(q))
 
 
 def _is_square(q: jax.Array) -> bool:
@@ -363,7 +351,7 @@ class Orthogonal(Constraint):
       return polar, stiefel_square.anchor_defect(polar)
 
     # max |G_ij| <= c(G): the exact check runs only when the largest column does not pass.
-    q, defect = _unless(defect.largest_column <= self.reproject_above, (q, defect), nearest)
+    q, defect = stiefel_square.unless(defect.largest_column <= self.reproject_above, (q, defect), nearest)
     return StiefelPoint(q, point.info, defect)
 
   def _defect(self, point):
@@ -391,7 +379,7 @@ class Orthogonal(Constraint):
     if not _is_square(anchor.matrix):
       return self._solve(anchor.matrix, step)
     fast = stiefel_square.shake(anchor.matrix, self._defect(anchor), step, self._budget)
-    return _unless(self._accepts(fast), self._closed_form(fast), lambda: self._solve(anchor.matrix, step))
+    return stiefel_square.unless(self._accepts(fast), self._closed_form(fast), lambda: self._solve(anchor.matrix, step))
 
   @property
   def _budget(self):
@@ -445,7 +433,7 @@ class Orthogonal(Constraint):
     """RATTLE for a square matrix: :func:`cola_jax.constraints.stiefel_square.rattle`
     when its bound is at most half the tolerance, else the iterative solver."""
     fast, momentum = stiefel_square.rattle(point.matrix, self._defect(point), vector, h, self._budget)
-    return _unless(
+    return stiefel_square.unless(
       self._accepts(fast),
       (self._closed_form(fast), momentum),
       lambda: self._rattle(point, self.cotangent(point, vector), h),

@@ -59,6 +59,12 @@ the term (0 without), ``c(Lambda) <= tau + (gamma + pi) / 2`` and
 ``rho = c(A)^2`` without the term and ``pi^2 / 4`` with it. The term (one
 product more) is taken only when the bound without it exceeds the budget.
 
+A step so small that ``Q_n + D`` itself meets the budget needs no force at all
+(``Lambda = 0``, as the paper's iteration stops before its first correction):
+``(Q_n + D)^T (Q_n + D) - I = G + Y + Y^T + D^T D`` exactly, so
+``max |F_ij| <= max |G + 2T| + c(D)^2``, and :func:`shake` returns ``Q_n + D``
+without the product ``Q_n Lambda`` when this bound meets the budget.
+
 RATTLE (:func:`rattle`, the underdamped A step). With a momentum ``Q_n Omega``,
 ``Omega`` skew (the cotangent space of a square ``Q_n``), the step is
 ``D = h Q_n Omega`` and ``A = h Omega``. The same multiplier without ``T``,
@@ -92,7 +98,8 @@ References:
   Leimkuhler and Reich, *Simulating Hamiltonian Dynamics*, 2004, ch. 7.
 """
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +107,7 @@ import jax.numpy as jnp
 from cola_jax.constraints.stiefel_projection import gram, gram_minus_identity
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+Result = TypeVar("Result")
 
 
 class AnchorDefect(NamedTuple):
@@ -119,6 +127,21 @@ def _mm(a, b):
   return jnp.matmul(a, b, precision=_HIGHEST)
 
 
+def largest_column_norm(m: jax.Array) -> jax.Array:
+  """``c(M) = max_j ||M e_j||_2``."""
+  return jnp.sqrt(jnp.max(jnp.sum(m * m, axis=0)))
+
+
+def unless(accepted: jax.Array, result: Result, fallback: Callable[[], Result]) -> Result:
+  """``result`` if ``accepted``, else ``fallback()``: a while loop of at most one iteration.
+
+  It skips the fallback when accepted (under ``vmap``: unless some member needs
+  it), where ``lax.cond`` would become a select that always computes it.
+  """
+  result, _ = jax.lax.while_loop(lambda carry: carry[1], lambda _: (fallback(), jnp.array(False)), (result, ~accepted))
+  return result
+
+
 def anchor_defect(q_n: jax.Array) -> AnchorDefect:
   """``G`` of the anchor and its norms (one product, one reduction)."""
   g = gram_minus_identity(q_n)
@@ -128,32 +151,37 @@ def anchor_defect(q_n: jax.Array) -> AnchorDefect:
 
 
 def _series_term(a, alpha, bound_without, budget):
-  """``(P_hat, pi)``: ``P = A^T A`` and ``||A||_F^2`` if ``bound_without > budget``, else zeros.
-
-  A while loop of at most one iteration skips the product when the bound is
-  met (under ``vmap``: unless some member needs it), where ``lax.cond`` would
-  become a select that always computes it.
-  """
-  zero = jnp.zeros((), a.dtype)
-  (p, pi), _ = jax.lax.while_loop(
-    lambda carry: carry[1],
-    lambda _: ((_mm(a.T, a), alpha * alpha), jnp.array(False)),
-    ((jnp.zeros_like(a), zero), ~(bound_without <= budget)),
-  )
-  return p, pi
+  """``(P_hat, pi)``: ``P = A^T A`` and ``||A||_F^2`` if ``bound_without > budget``, else zeros."""
+  zeros = (jnp.zeros_like(a), jnp.zeros((), a.dtype))
+  return unless(bound_without <= budget, zeros, lambda: (_mm(a.T, a), alpha * alpha))
 
 
-def shake(q_n: jax.Array, defect: AnchorDefect, step: jax.Array, budget) -> SquareStep:
+def shake(q_n: jax.Array, defect: AnchorDefect, step: jax.Array, budget, *, min_terms: int = -1) -> SquareStep:
   r"""``Q = Q_n + D - Q_n Lambda``, ``Lambda = T + (G + P_hat) / 2``, and its bound ``beta_od``.
+
+  The cheapest of ``Lambda = 0``, ``P_hat = 0`` and ``P_hat = P`` whose bound
+  meets ``budget`` (the last if none does).
 
   Args:
     q_n: the square anchor ``Q_n``.
     defect: its :class:`AnchorDefect`.
     step: the step ``D``.
-    budget: the series term ``P`` is added when the bound without it exceeds this.
+    budget: a correction is added while the bound without it exceeds this.
+    min_terms: -1 (``Lambda = 0`` allowed), 0 (at least ``T + G/2``) or 1 (the
+      series term always), for tests of each bound.
   """
   y = gram(q_n, step)
-  a, t = 0.5 * (y - y.T), 0.5 * (y + y.T)
+  t = 0.5 * (y + y.T)
+  moved = q_n + step
+  unprojected = jnp.max(jnp.abs(defect.matrix + 2 * t)) + largest_column_norm(step) ** 2
+  corrected = lambda: _shake(q_n, defect, y, t, moved, budget, min_terms)
+  if min_terms < 0:
+    return unless(unprojected <= budget, SquareStep(moved, unprojected), corrected)
+  return corrected()
+
+
+def _shake(q_n, defect, y, t, moved, budget, min_terms):
+  a = 0.5 * (y - y.T)
   a_columns = jnp.sum(a * a, axis=0)
   alpha = jnp.sqrt(jnp.sum(a_columns))
   tau = jnp.sqrt(jnp.maximum(jnp.sum(y * y) - alpha * alpha, 0))
@@ -167,13 +195,15 @@ def shake(q_n: jax.Array, defect: AnchorDefect, step: jax.Array, budget) -> Squa
       + g * (c_multiplier * c_multiplier + (alpha + tau) ** 2 / (1 - g))
     )
 
-  p, pi = _series_term(a, alpha, bound(jnp.max(a_columns), 0), budget)
+  p, pi = _series_term(a, alpha, bound(jnp.max(a_columns), 0) if min_terms < 1 else jnp.inf, budget)
   multiplier = t + 0.5 * (defect.matrix + p)
-  q = (q_n + step) - _mm(q_n, multiplier)
+  q = moved - _mm(q_n, multiplier)
   return SquareStep(q, bound(jnp.where(pi > 0, 0.25 * pi * pi, jnp.max(a_columns)), pi))
 
 
-def rattle(q_n: jax.Array, defect: AnchorDefect, vector: jax.Array, h, budget) -> tuple[SquareStep, jax.Array]:
+def rattle(
+  q_n: jax.Array, defect: AnchorDefect, vector: jax.Array, h, budget, *, min_terms: int = 0
+) -> tuple[SquareStep, jax.Array]:
   r"""RATTLE's A step from the momentum ``Q_n Omega``, ``Omega = skew(Q_n^T v)``.
 
   ``Omega`` is the body-frame form of the cotangent projection of ``v``
@@ -187,6 +217,7 @@ def rattle(q_n: jax.Array, defect: AnchorDefect, vector: jax.Array, h, budget) -
     vector: the ambient momentum ``v``.
     h: the time step.
     budget: the series term ``P`` is added when the bound without it exceeds this.
+    min_terms: 0 (the term when needed) or 1 (always), for tests of each bound.
   """
   w = gram(q_n, vector)
   omega = 0.5 * (w - w.T)
@@ -199,7 +230,7 @@ def rattle(q_n: jax.Array, defect: AnchorDefect, vector: jax.Array, h, budget) -
     c_z = alpha + 0.5 * (gamma + pi)
     return remainder + gamma * (alpha + 0.75 * gamma + 0.5 * pi) + g * c_z * c_z
 
-  p, pi = _series_term(a, alpha, bound(jnp.max(a_columns), 0), budget)
+  p, pi = _series_term(a, alpha, bound(jnp.max(a_columns), 0) if min_terms < 1 else jnp.inf, budget)
   q = _mm(q_n, jnp.eye(a.shape[0], dtype=a.dtype) + a - 0.5 * (defect.matrix + p))
   step = SquareStep(q, bound(jnp.where(pi > 0, 0.25 * pi * pi, jnp.max(a_columns)), pi))
   return step, _mm(q, omega)
