@@ -97,18 +97,7 @@ def oba_step(
   noise_scale=None,
   key: jax.Array | None = None,
 ) -> tuple[Point, Momentum]:
-  """One underdamped step in the paper's order: O, then B, then A.
-
-  For a ``lazy_cotangent`` geometry the O and B steps add their ambient
-  vectors, ``e^{-gamma h} p + sqrt(tau (1 - e^{-2 gamma h})) R - h grad V``,
-  and the A step projects the sum once: the same step, since the projection
-  is linear and ``p`` is cotangent.
-  """
-  if constraint.lazy_cotangent:
-    vector = decay * momentum - h * constraint.ambient_gradient(point, grad)
-    if key is not None:
-      vector = vector + noise_scale * constraint.ambient_normal(key, point)
-    return constraint.a_step_from(point, vector, h)
+  """One underdamped step in the paper's order: O, then B, then A."""
   momentum = o_step(constraint, point, momentum, decay, noise_scale, key)
   momentum = b_step(constraint, point, momentum, grad, h)
   return a_step(constraint, point, momentum, h)
@@ -139,13 +128,6 @@ def baoab_step(
     methods for molecular sampling*, AMRX 2013 (BAOAB's configurational
     accuracy).
   """
-  if constraint.lazy_cotangent:  # each A step projects its momentum, as in oba_step
-    vector = momentum - kick * constraint.ambient_gradient(point, grad)
-    point, momentum = constraint.a_step_from(point, vector, h / 2)
-    vector = decay * momentum
-    if key is not None:
-      vector = vector + noise_scale * constraint.ambient_normal(key, point)
-    return constraint.a_step_from(point, vector, h / 2)
   momentum = b_step(constraint, point, momentum, grad, kick)
   point, momentum = a_step(constraint, point, momentum, h / 2)
   momentum = o_step(constraint, point, momentum, decay, noise_scale, key)

@@ -72,9 +72,6 @@ def test_stacking_batches_the_projection_loops(monkeypatch):
     jaxpr = jax.make_jaxpr(lambda g, p: tx.update(g, tx.init(p), p))(grads, params)
     return str(jaxpr).count(" while[")
 
-  # Loops in the jaxpr, nested ones included. A square leaf: the start check
-  # and its polar factor, the correction, the series term, and the solver's
-  # fallback with its own solver and polar loops (7); any other leaf: the start
-  # check and its polar factor, the solver, the polar fallback (4). The four
-  # (12, 12) leaves alone, or as one stacked group, and the three others alone.
-  assert loops(False) == 7 * 4 + 4 * 3 and loops(True) == 7 + 4 * 3
+  # Three loops per leaf (start check, projection, polar fallback): 7 leaves
+  # alone, or the four (12, 12) ones as one stacked group.
+  assert loops(False) == 3 * 7 and loops(True) == 3 * 4

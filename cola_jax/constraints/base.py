@@ -37,14 +37,6 @@ class Constraint(abc.ABC):
   # instead of one per leaf), not for elementwise geometries.
   stack_same_shape: ClassVar[bool] = False
 
-  # Whether the O and B steps may leave the cotangent projection to the A step
-  # (:meth:`a_step_from`): the momentum is an ambient vector, ``cotangent`` is
-  # linear and ``cotangent_normal(key, point)`` is
-  # ``cotangent(point, ambient_normal(key, point))``. A momentum that is already
-  # cotangent is its own projection, so OBA and BAOAB are unchanged, with one
-  # projection per A step instead of one per O, B and A step.
-  lazy_cotangent: ClassVar[bool] = False
-
   def validate(self, param: jax.Array, path: str) -> None:
     """Raises ValueError naming ``path`` if the leaf cannot carry this constraint."""
 
@@ -122,14 +114,6 @@ class Constraint(abc.ABC):
   @abc.abstractmethod
   def a_step(self, point: Point, momentum: Momentum, h) -> tuple[Point, Momentum]:
     """The constrained free flight (the A step) over time ``h``."""
-
-  def a_step_from(self, point: Point, vector: Momentum, h) -> tuple[Point, Momentum]:
-    """The A step from the momentum ``cotangent(point, vector)``, for ``lazy_cotangent`` geometries.
-
-    A geometry may fold the projection into the flight; by default it is
-    applied first.
-    """
-    return self.a_step(point, self.cotangent(point, vector), h)
 
 
 class Euclidean(Constraint):

@@ -31,19 +31,6 @@ matrices. A step that does not converge is flagged in the leaf's
 :class:`ProjectionInfo` and finished with the polar projection (the nearest
 orthonormal matrix), so the constraint holds after every update.
 
-A square matrix (``r = s``) first takes a loop-free closed form of the same
-equation (:mod:`cola_jax.constraints.stiefel_square`): the multiplier
-``Lambda = T + (G + P) / 2`` from the skew and symmetric parts ``A``, ``T`` of
-``Q_n^T D``, ``P = A^T A`` (added only when needed) and the anchor's defect
-``G = Q_n^T Q_n - I`` from the start-of-step check, with a proved bound on the
-resulting defect from the norms of ``A``, ``T``, ``P`` and ``G``. It is taken
-when the bound is at most half the tolerance (``ProjectionInfo.iterations``
-is then 0), at a cost of three or four ``s x s`` products and no Gram check;
-otherwise the iterative solver runs. The underdamped A step of a square
-matrix works in the body frame ``P = Q Omega``: the O and B steps add their
-ambient vectors, one product gives ``Omega``, one the new point and one the
-new momentum ``Q_{n+1} Omega`` (RATTLE's, see the module).
-
 Extreme input. Steps of any finite size end on the manifold or flagged: a
 projection that diverges is replaced by the polar factor of the unprojected
 point, computed after an exact power-of-two scaling (``polar(c Q) =
@@ -75,7 +62,7 @@ import jax.numpy as jnp
 from cola_jax import _noise
 from cola_jax._hyperparameters import check_positive, check_positive_integer
 from cola_jax._numerics import explicit_sharding, power_of_two_scale
-from cola_jax.constraints import _axes, stiefel_projection, stiefel_square
+from cola_jax.constraints import _axes, stiefel_projection
 from cola_jax.constraints.base import Constraint
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -125,8 +112,8 @@ def _each(fn, matrices: jax.Array) -> jax.Array:
 
 
 def gram_defect(q: jax.Array) -> jax.Array:
-  """``Q^T Q - I`` at full float32 precision on every backend, the diagonal summed accurately."""
-  return stiefel_projection.gram_minus_identity(q)
+  """``Q^T Q - I`` at full float32 precision on every backend."""
+  return stiefel_projection.gram(q, q) - jnp.eye(q.shape[1], dtype=q.dtype)
 
 
 def polar_factor(q: jax.Array) -> jax.Array:
@@ -152,12 +139,16 @@ def polar_factor(q: jax.Array) -> jax.Array:
 
 
 def _polar_where(q: jax.Array, needed: jax.Array) -> jax.Array:
-  """``polar_factor(q)`` where ``needed``, else ``q``; costs nothing when not needed."""
-  return stiefel_square.unless(~needed, q, lambda: polar_factor(q))
+  """``polar_factor(q)`` where ``needed``, else ``q``; costs nothing when not needed.
 
-
-def _is_square(q: jax.Array) -> bool:
-  return q.shape[-2] == q.shape[-1]
+  A ``lax.cond`` with a batched predicate becomes a select under ``vmap`` and
+  would run the SVD for every seed at every step; a while loop of at most one
+  iteration runs it only while some member of the batch needs it.
+  """
+  q, _ = jax.lax.while_loop(
+    lambda carry: carry[1], lambda carry: (polar_factor(carry[0]), jnp.array(False)), (q, needed)
+  )
+  return q
 
 
 _SOLVERS = {
@@ -180,7 +171,7 @@ class ProjectionInfo:
   view, so that the residual can form its matrices.
   """
 
-  iterations: jax.Array  # solver iterations used (0: a square matrix took the closed form)
+  iterations: jax.Array  # quasi-Newton iterations used
   converged: jax.Array  # False: the tolerance was not met and the polar factor was used
   row_axes: tuple[int, ...] | None = None
   column_axes: tuple[int, ...] | None = None
@@ -195,7 +186,6 @@ class ProjectionInfo:
 class StiefelPoint(NamedTuple):
   matrix: jax.Array  # Q, (r, s) with r >= s; (b, r, s) for a leaf of b matrices
   info: ProjectionInfo
-  defect: stiefel_square.AnchorDefect | None = None  # Q^T Q - I where the start-of-step check computed it
 
 
 def _per_matrix(*in_axes):
@@ -213,7 +203,7 @@ def _per_matrix(*in_axes):
       if point.matrix.ndim == 2:
         out = method(self, point, *args)
       else:
-        in_axes_of_point = StiefelPoint(0, None, 0)  # pyright: ignore[reportArgumentType]
+        in_axes_of_point = StiefelPoint(0, None)  # pyright: ignore[reportArgumentType]
         out = jax.vmap(functools.partial(method, self), in_axes=(in_axes_of_point, *in_axes))(point, *args)
       return jax.tree.map(self._aggregate, out, is_leaf=lambda node: isinstance(node, ProjectionInfo))
 
@@ -241,9 +231,7 @@ class Orthogonal(Constraint):
       method in ``s x s`` space, fastest for tall matrices) or ``"square_root"``
       (a closed form, exact for square matrices, then chord steps; fastest for
       large square steps). All three reach the same point. With the latter two
-      ``ProjectionInfo.iterations`` counts Newton steps or series terms. A
-      square matrix first tries the loop-free closed form with its proved
-      bound; the solver runs only when the bound exceeds ``tolerance / 2``.
+      ``ProjectionInfo.iterations`` counts Newton steps or series terms.
     row_axes: the axes of the leaf that index the matrix's rows (an int or a
       tuple; negative values count from the end), given together with
       ``column_axes``. Every axis named by neither is a batch axis: the leaf
@@ -341,21 +329,10 @@ class Orthogonal(Constraint):
   @_per_matrix()
   def _reproject(self, point):
     q = point.matrix
-    defect = stiefel_square.anchor_defect(q)
-
-    def nearest():
-      # NaN and overflow count as off: the polar factor then shows them as NaN
-      # (non-finite) or puts the parameter on the manifold (finite).
-      off = ~(jnp.max(jnp.abs(defect.matrix)) <= self.reproject_above)
-      polar = _polar_where(q, off)
-      return polar, stiefel_square.anchor_defect(polar)
-
-    # max |G_ij| <= c(G): the exact check runs only when the largest column does not pass.
-    q, defect = stiefel_square.unless(defect.largest_column <= self.reproject_above, (q, defect), nearest)
-    return StiefelPoint(q, point.info, defect)
-
-  def _defect(self, point):
-    return stiefel_square.anchor_defect(point.matrix) if point.defect is None else point.defect
+    # NaN and overflow count as off: the polar factor then shows them as NaN
+    # (non-finite) or puts the parameter on the manifold (finite).
+    off = ~(jnp.max(jnp.abs(gram_defect(q))) <= self.reproject_above)
+    return StiefelPoint(_polar_where(q, off), point.info)
 
   def unpack(self, point, param):
     return self._untall(point.matrix, param), point.info
@@ -368,34 +345,9 @@ class Orthogonal(Constraint):
 
   @_per_matrix(0)
   def project(self, anchor, step):
-    """SHAKE: ``anchor + step`` moved along the anchor's normal space onto the manifold.
-
-    A square matrix first takes the closed form of
-    :func:`cola_jax.constraints.stiefel_square.shake` (three products, no
-    loop), accepted when its proved bound on the defect is at most half the
-    tolerance (``ProjectionInfo.iterations`` 0); otherwise, and for other
-    shapes, the iterative solver of ``projection``.
-    """
-    if not _is_square(anchor.matrix):
-      return self._solve(anchor.matrix, step)
-    fast = stiefel_square.shake(anchor.matrix, self._defect(anchor), step, self._budget)
-    return stiefel_square.unless(self._accepts(fast), self._closed_form(fast), lambda: self._solve(anchor.matrix, step))
-
-  @property
-  def _budget(self):
-    return 0.5 * self.tolerance  # the other half for rounding (see stiefel_square)
-
-  def _accepts(self, fast):
-    return fast.bound <= self._budget  # False for NaN: non-finite steps take the solver
-
-  def _closed_form(self, fast):
-    return StiefelPoint(fast.matrix, ProjectionInfo(jnp.zeros((), jnp.int32), jnp.array(True)))
-
-  def _solve(self, anchor, step):
-    """The iterative solver of ``projection``, finished by the polar factor if it does not converge."""
-    moved = anchor + step
+    moved = anchor.matrix + step
     solve = _SOLVERS[self.projection]
-    q, k, converged = solve(anchor, moved, self.tolerance, self.max_iterations, norm="max")
+    q, k, converged = solve(anchor.matrix, moved, self.tolerance, self.max_iterations, norm="max")
     # A diverged iteration is not finite: fall back from the unprojected point.
     q = jnp.where(jnp.all(jnp.isfinite(q)), q, moved)
     return StiefelPoint(_polar_where(q, ~converged), ProjectionInfo(k, converged))
@@ -415,33 +367,10 @@ class Orthogonal(Constraint):
   def store_momentum(self, momentum, param):
     return self._untall(momentum, param)
 
-  lazy_cotangent = True
-
   @_per_matrix(0, None)
   def a_step(self, point, momentum, h):
-    if _is_square(point.matrix):
-      return self._square_flight(point, momentum, h)
-    return self._rattle(point, momentum, h)
-
-  @_per_matrix(0, None)
-  def a_step_from(self, point, vector, h):
-    if _is_square(point.matrix):
-      return self._square_flight(point, vector, h)
-    return self._rattle(point, self.cotangent(point, vector), h)
-
-  def _square_flight(self, point, vector, h):
-    """RATTLE for a square matrix: :func:`cola_jax.constraints.stiefel_square.rattle`
-    when its bound is at most half the tolerance, else the iterative solver."""
-    fast, momentum = stiefel_square.rattle(point.matrix, self._defect(point), vector, h, self._budget)
-    return stiefel_square.unless(
-      self._accepts(fast),
-      (self._closed_form(fast), momentum),
-      lambda: self._rattle(point, self.cotangent(point, vector), h),
-    )
-
-  def _rattle(self, point, momentum, h):
     step = h * momentum
-    new = self._solve(point.matrix, step)
+    new = self.project(point, step)
     # RATTLE: the momentum takes the same constraint impulse as the position,
     # (Q_{n+1} - (Q_n + h P)) / h, then is projected onto the new cotangent
     # space. At h = 0 nothing moves and the impulse is 0.

@@ -94,20 +94,6 @@ def gram(a, b):
   return jnp.matmul(a.T, b, precision=_HIGHEST, out_sharding=replicated(a))
 
 
-def gram_minus_identity(q):
-  """``Q^T Q - I`` at full float32 precision, its diagonal summed accurately.
-
-  A product accumulates the diagonal ``sum_k q_kj^2 ~ 1`` with a rounding
-  error of about ``sqrt(r)`` units of roundoff (9e-7 for ``r = 512`` in
-  float32, near the default tolerance), far above that of the off-diagonal
-  entries, whose terms cancel. The diagonal is summed instead as
-  ``sum_k (q_kj^2 - 1/r)``, whose terms are small for columns of unit norm.
-  """
-  rows, columns = q.shape
-  diagonal = jnp.sum(q * q - 1 / rows, axis=0)
-  return jnp.where(jnp.eye(columns, dtype=bool), diagonal, gram(q, q))
-
-
 def _size(m, norm):
   if norm == "fro":
     return jnp.sqrt(jnp.sum(m * m))
@@ -122,11 +108,12 @@ def _sym(m):
 
 def defect(q, norm="fro"):
   """``|Q^T Q - I|`` in the given norm, products at full float32 precision."""
-  return _size(gram_minus_identity(q), norm)
+  return _size(gram(q, q) - jnp.eye(q.shape[1], dtype=q.dtype), norm)
 
 
 def _finish(q_n, q, tolerance, max_iterations, norm, used):
   """Quasi-Newton steps on the ``(r, s)`` matrix until the tolerance is met."""
+  eye = jnp.eye(q.shape[1], dtype=q.dtype)
 
   def not_done(carry):
     _, f, k = carry
@@ -135,9 +122,9 @@ def _finish(q_n, q, tolerance, max_iterations, norm, used):
   def step(carry):
     q, f, k = carry
     q = q - 0.5 * _mm(q_n, f)
-    return q, gram_minus_identity(q), k + 1
+    return q, gram(q, q) - eye, k + 1
 
-  q, f, k = jax.lax.while_loop(not_done, step, (q, gram_minus_identity(q), used))
+  q, f, k = jax.lax.while_loop(not_done, step, (q, gram(q, q) - eye, used))
   return Projection(q, k, _size(f, norm) <= tolerance)
 
 
