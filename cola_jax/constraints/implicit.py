@@ -122,6 +122,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from cola_jax import _noise
 from cola_jax._hyperparameters import check_positive, check_positive_integer
@@ -314,37 +315,41 @@ _FEW_COMPONENTS = 8
 def _solve(matrix, rhs, symmetric):
   """``matrix^{-1} rhs`` for a batch of small systems ``(..., m, m)``, ``(..., m)``.
 
-  Few components: Gaussian elimination with partial pivoting, unrolled.
-  Otherwise LAPACK: Cholesky for the symmetric positive definite ``G G^T``,
-  LU for Newton's ``G(q) G(q_n)^T``.
+  Few components: Gaussian elimination with partial pivoting, elementwise
+  over the batch. Otherwise LAPACK: Cholesky for the symmetric positive
+  definite ``G G^T``, LU for Newton's ``G(q) G(q_n)^T``.
   """
-  m = rhs.shape[-1]
-  if m <= _FEW_COMPONENTS:
-    return _eliminate([[matrix[..., i, j] for j in range(m)] for i in range(m)], [rhs[..., i] for i in range(m)])
+  if rhs.shape[-1] <= _FEW_COMPONENTS:
+    return _eliminate(matrix, rhs)
   if symmetric:
     return jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(matrix), rhs[..., None])[..., 0]
   return jnp.linalg.solve(matrix, rhs[..., None])[..., 0]
 
 
 def _eliminate(a, b):
-  """Gaussian elimination with partial pivoting on lists of entries (arrays of one shape)."""
-  m = len(b)
+  """Gaussian elimination with partial pivoting, each row operation at once over the batch.
+
+  ``m`` unrolled steps of a few array operations (written out entry by entry,
+  the ``m^3`` scalar operations took XLA seconds to compile at ``m = 7``).
+  """
+  m = b.shape[-1]
+  rows = np.arange(m)
   for k in range(m):
-    for i in range(k + 1, m):  # a tournament: the largest |a[.][k]| ends in row k
-      swap = jnp.abs(a[i][k]) > jnp.abs(a[k][k])
-      a[k], a[i] = (
-        [jnp.where(swap, x, y) for x, y in zip(a[i], a[k])],
-        [jnp.where(swap, y, x) for x, y in zip(a[i], a[k])],
-      )
-      b[k], b[i] = jnp.where(swap, b[i], b[k]), jnp.where(swap, b[k], b[i])
-    for i in range(k + 1, m):
-      factor = a[i][k] / a[k][k]
-      a[i] = [a[i][j] - factor * a[k][j] for j in range(m)]
-      b[i] = b[i] - factor * b[k]
-  x = {}
+    # The first row at or below k with the largest |a[., k]| is swapped into row k.
+    pivot = jnp.argmax(jnp.where(rows >= k, jnp.abs(a[..., :, k]), -1), axis=-1)[..., None]
+    a_pivot = jnp.take_along_axis(a, pivot[..., None], axis=-2)
+    b_pivot = jnp.take_along_axis(b, pivot, axis=-1)
+    at_pivot = rows == pivot
+    a = jnp.where(at_pivot[..., None], a[..., k : k + 1, :], a).at[..., k, :].set(a_pivot[..., 0, :])
+    b = jnp.where(at_pivot, b[..., k : k + 1], b).at[..., k].set(b_pivot[..., 0])
+    factor = jnp.where(rows > k, a[..., :, k] / a[..., k : k + 1, k], 0)
+    a = a - factor[..., None] * a[..., k : k + 1, :]
+    b = b - factor * b[..., k : k + 1]
+  x = jnp.zeros_like(b)
   for i in reversed(range(m)):
-    x[i] = (b[i] - sum((a[i][j] * x[j] for j in range(i + 1, m)), jnp.zeros_like(b[i]))) / a[i][i]
-  return jnp.stack([x[i] for i in range(m)], -1)
+    known = jnp.sum(jnp.where(rows > i, a[..., i, :] * x, 0), axis=-1)
+    x = x.at[..., i].set((b[..., i] - known) / a[..., i, i])
+  return x
 
 
 @dataclasses.dataclass(frozen=True)
