@@ -302,8 +302,15 @@ UNIT_START = {
 }
 
 
-@pytest.mark.parametrize("method, h", [("od", 0.05), ("ud", 0.2)])
-@pytest.mark.parametrize("temperature", [0.0, 1e-3])
+@pytest.mark.parametrize(
+  "method, h, temperature",
+  [
+    ("od", 0.05, 0.0),
+    pytest.param("od", 0.05, 1e-3, marks=pytest.mark.slow),
+    pytest.param("ud", 0.2, 0.0, marks=pytest.mark.slow),
+    ("ud", 0.2, 1e-3),
+  ],
+)
 def test_per_unit_trajectory_equals_dense(method, h, temperature):
   """The same ambient layout (the leaf's entries, then the slacks): the same noise draws too."""
   noise = {"temperature": temperature, "key": jax.random.key(2)} if temperature else {}

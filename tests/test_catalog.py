@@ -352,6 +352,7 @@ def _unit_grad(w):
   return w - UNIT_TARGET + 0.3 * jnp.sin(3 * w)
 
 
+@pytest.mark.slow  # the od test below checks the same equivalence
 def test_unit_norm_is_the_dense_implicit_constraint_ud():
   """Same noise draws, exact geodesic vs RATTLE: they differ by O(h^2) over a fixed time."""
   r = 0.8

@@ -336,7 +336,9 @@ START = {
 # projection and RATTLE step in both; for the circle and sphere SHAKE's oblique
 # projection differs from the radial one at O(h^2) per step, RATTLE from the
 # exact rotation at O(h^3) per step.
-@pytest.mark.parametrize("method, h, steps, atol", [("od", 0.01, 200, 5e-6), ("ud", 0.02, 100, 1e-4)])
+@pytest.mark.parametrize(
+  "method, h, steps, atol", [("od", 0.01, 200, 5e-6), pytest.param("ud", 0.02, 100, 1e-4, marks=pytest.mark.slow)]
+)
 def test_trajectories_agree_with_the_closed_forms(method, h, steps, atol):
   if method == "od":
     make = lambda c: cola.cola_od(h, constraints=c)
@@ -383,7 +385,9 @@ LONG_METHODS = {
 }
 
 
-@pytest.mark.parametrize("method", sorted(LONG_METHODS))
+@pytest.mark.parametrize(
+  "method", [m if m == "od" else pytest.param(m, marks=pytest.mark.slow) for m in sorted(LONG_METHODS)]
+)
 def test_constraint_holds_after_many_noisy_steps(method, mlp_problem):
   params, loss = mlp_problem
   tx = LONG_METHODS[method]
@@ -422,6 +426,7 @@ def test_constraint_holds_after_many_noisy_steps(method, mlp_problem):
   assert cola.constraint_residuals(params, state)["layer0"]["b"] is None
 
 
+@pytest.mark.slow  # tests/test_axes.py checks the same stacking on per-unit leaves
 def test_same_shape_leaves_stepped_together_equal_leaf_by_leaf(monkeypatch):
   keys = jax.random.split(jax.random.key(16), 3)
   params = {f"w{i}": jax.random.normal(k, (5, 4)) for i, k in enumerate(keys)}

@@ -81,7 +81,9 @@ METHODS = {
 }
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize(
+  "method", [m if m == "c_cola_ud" else pytest.param(m, marks=pytest.mark.slow) for m in sorted(METHODS)]
+)
 def test_seeds_trained_together_equal_seeds_trained_alone(method):
   make_tx = METHODS[method]
   data = batches(STEPS)

@@ -37,10 +37,16 @@ def run(tx, params, steps=20):
 @pytest.mark.parametrize(
   "make",
   [
-    lambda: cola.cola_od(0.05, constraints=cola.Orthogonal(), temperature=1e-3, key=jax.random.key(1)),
-    lambda: cola.cola_ud(0.1, friction=1.0, constraints=cola.Orthogonal(), temperature=1e-3, key=jax.random.key(1)),
+    pytest.param(
+      lambda: cola.cola_od(0.05, constraints=cola.Orthogonal(), temperature=1e-3, key=jax.random.key(1)),
+      id="od",
+      marks=pytest.mark.slow,
+    ),
+    pytest.param(
+      lambda: cola.cola_ud(0.1, friction=1.0, constraints=cola.Orthogonal(), temperature=1e-3, key=jax.random.key(1)),
+      id="ud",
+    ),
   ],
-  ids=["od", "ud"],
 )
 def test_stacked_equals_leaf_by_leaf(make, monkeypatch):
   params = deep_params(jax.random.key(0))

@@ -35,6 +35,7 @@ def projected(bench, problem):
   return {m: jax.jit(bench.method_fn(m, TOLERANCE, 100))(*problem) for m in bench.METHODS}
 
 
+@pytest.mark.slow  # a timing run: the projections themselves are checked below
 def test_smoke_run_writes_the_documented_report(bench, tmp_path):
   pytest.importorskip("matplotlib")
   returned = bench.main(["--smoke", "--out", str(tmp_path)])

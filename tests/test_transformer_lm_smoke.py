@@ -16,6 +16,10 @@ import pytest
 
 import cola_jax as cola
 
+# The transformer's modules, corpus and loop are checked quickly in test_harness_lm.py; the
+# script's smoke run (about 25 s of compilation) is in the slow profile.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def lm(load_benchmark):

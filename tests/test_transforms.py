@@ -149,7 +149,7 @@ def test_jit_compiles_once(mlp_problem):
   assert len(traces) == 1
 
 
-@pytest.mark.parametrize("name", _one_quick(sorted(NOISY), "o_cola_ud"))
+@pytest.mark.parametrize("name", _one_quick(sorted(NOISY), "c_cola_ud"))
 def test_vmap_over_keys_runs_independent_seeds(name, mlp_problem):
   params, loss = mlp_problem
   keys = jax.random.split(jax.random.key(7), 3)
