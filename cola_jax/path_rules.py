@@ -12,21 +12,9 @@ from cola_jax.declared import is_box
 _SHOWN_PATHS = 12  # how many of the parameters' paths an error lists
 
 
-def _key_name(key) -> str:
-  if isinstance(key, jax.tree_util.DictKey):
-    return str(key.key)
-  if isinstance(key, jax.tree_util.SequenceKey):
-    return str(key.idx)
-  if isinstance(key, jax.tree_util.GetAttrKey):
-    return key.name
-  if isinstance(key, jax.tree_util.FlattenedIndexKey):
-    return str(key.key)
-  return str(key)
-
-
 def _path_name(path) -> str:
   """A key path as ``'/'``-joined plain strings: ``Dense_0/kernel``, ``layers/3/kernel``."""
-  return "/".join(_key_name(key) for key in path)
+  return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 class PathConstraints:

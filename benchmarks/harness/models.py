@@ -60,4 +60,4 @@ class MLP(nn.Module):
 
 def param_path(path) -> str:
   """``"layer1/kernel"`` for the key path of a parameter leaf, as ``cola.path_constraints`` matches it."""
-  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+  return jax.tree_util.keystr(path, simple=True, separator="/")
