@@ -306,9 +306,9 @@ def _drawn_once(key, shape, dtype):
   return jax.lax.cond(bits[0] >= bits[-1], draw, lambda: jax.random.normal(key, shape, dtype))
 
 
-# Up to this many components per unit, the Jacobian's rows are separate arrays
-# and the small systems are solved by elimination written out entry by entry
-# (elementwise over the units; LAPACK's batched solve loops over them).
+# Up to this many components per unit, G G^T is built from separate passes over
+# the leaf (one per row of the Jacobian) and the small systems are solved by
+# elimination elementwise over the units (LAPACK's batched solve loops over them).
 _FEW_COMPONENTS = 8
 
 
