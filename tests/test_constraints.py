@@ -165,7 +165,9 @@ def test_rattle_a_step_is_cotangent_and_time_reversible():
   assert float(jnp.linalg.norm(new.matrix - q)) > 0.05  # it did move
 
 
-@pytest.mark.parametrize("projection", [pytest.param("newton", marks=pytest.mark.slow), "square_root"])
+# Slow; quick: tests/test_axes.py checks each solver batched against separate leaves.
+@pytest.mark.slow
+@pytest.mark.parametrize("projection", ["newton", "square_root"])
 def test_faster_projections_follow_the_papers_trajectory(projection):
   """Same multiplier equation, so the same dynamics: o-CoLA-ud over 30 noisy steps."""
   shapes = {"tall": (20, 6), "square": (12, 12), "wide": (5, 9), "conv": (3, 3, 2, 8)}

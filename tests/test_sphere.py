@@ -292,9 +292,8 @@ LONG_METHODS = {
 }
 
 
-@pytest.mark.parametrize(
-  "method", [m if m == "ud" else pytest.param(m, marks=pytest.mark.slow) for m in sorted(LONG_METHODS)]
-)
+@pytest.mark.slow  # the long runs of the catalog and of Implicit stay quick
+@pytest.mark.parametrize("method", sorted(LONG_METHODS))
 def test_constraints_hold_after_many_noisy_steps(method, cnn_problem):
   params, loss = cnn_problem
   tx = LONG_METHODS[method]
