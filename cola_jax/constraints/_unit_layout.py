@@ -16,6 +16,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from cola_jax.constraints import _axes
+
 
 @dataclasses.dataclass(frozen=True)
 class UnitLayout:
@@ -26,7 +28,7 @@ class UnitLayout:
 
   @property
   def others(self) -> tuple[int, ...]:
-    return tuple(a for a in range(len(self.shape)) if a not in self.unit)
+    return _axes.others(len(self.shape), self.unit)
 
   @property
   def other_shape(self) -> tuple[int, ...]:
