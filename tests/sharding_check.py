@@ -4,10 +4,10 @@ Not a test module: ``tests/test_sharding.py`` runs it in a subprocess, because
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` only takes effect if it
 is set before JAX initialises its backends. Run it by hand with::
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding_check.py
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding_check.py [method:layout ...]
 
-It prints one JSON report (the last line of stdout) with, for every method,
-layout and temperature:
+It prints one JSON report (the last line of stdout) with, for every method and
+layout named (all of them by default) and every temperature:
 
 - ``shardings_kept``: the jitted training step returns parameters, momenta
   and slack variables with the shardings the parameters came in with (the
@@ -43,6 +43,7 @@ recorded in ``error``.
 import json
 import os
 import re
+import sys
 
 _DEVICES = 8
 _FLAG = f"--xla_force_host_platform_device_count={_DEVICES}"
@@ -234,16 +235,24 @@ def single_device_references(method: str):
   return {tau: jax.tree.map(np.asarray, train(step, params, init_at(tx, params, tau), x, y)[0]) for tau in TAUS}
 
 
-def main():
+# o_cola_ud shares o_cola_od's projection; its RATTLE step adds the cotangent
+# projection (another Gram-sized product), checked on row shards.
+ALL_CHECKS = tuple((method, layout) for method in ("c_cola_ud", "o_cola_od") for layout in LAYOUTS) + (
+  ("o_cola_ud", "model_rows"),
+)
+
+
+def main(argv):
   assert jax.device_count() == _DEVICES, jax.devices()
+  wanted = [tuple(arg.split(":")) for arg in argv] or ALL_CHECKS
+  unknown = [w for w in wanted if w not in ALL_CHECKS]
+  assert not unknown, f"unknown method:layout {unknown}; known: {ALL_CHECKS}"
   reports = []
   for method in METHODS:
-    references = single_device_references(method)
-    # o_cola_ud shares o_cola_od's projection; its RATTLE step adds the
-    # cotangent projection (another Gram-sized product), checked on row shards.
-    layouts = ["model_rows"] if method == "o_cola_ud" else ["data", "model_rows", "model_cols", "explicit"]
-    for layout in layouts:
-      reports.append(check(method, layout, references))
+    layouts = [layout for m, layout in wanted if m == method]
+    if layouts:
+      references = single_device_references(method)
+      reports.extend(check(method, layout, references) for layout in layouts)
   print(
     json.dumps(
       {
@@ -257,4 +266,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  main(sys.argv[1:])

@@ -5,6 +5,7 @@ CPU devices is fixed when JAX initialises, which this pytest process has done
 already. See that file for what is measured; here are the assertions.
 """
 
+import functools
 import json
 import os
 import pathlib
@@ -17,6 +18,10 @@ CHECK = pathlib.Path(__file__).with_name("sharding_check.py")
 METHODS_AND_LAYOUTS = [
   (method, layout) for method in ("c_cola_ud", "o_cola_od") for layout in ("data", "model_rows", "model_cols")
 ] + [("o_cola_ud", "model_rows"), ("c_cola_ud", "explicit")]
+# The quick suite checks row shards (the orthogonal Gram all-reduce) and the
+# explicit mesh; data parallelism, column shards and o-CoLA-ud run with `slow`.
+QUICK = (("c_cola_ud", "model_rows"), ("o_cola_od", "model_rows"), ("c_cola_ud", "explicit"), ("o_cola_od", "explicit"))
+ALL = tuple(METHODS_AND_LAYOUTS) + (("o_cola_od", "explicit"),)
 
 # Relative agreement with the single-device run after 20 steps. The circle
 # geometry is elementwise: only the gradients' reductions are reordered.
@@ -26,31 +31,43 @@ METHODS_AND_LAYOUTS = [
 TOLERANCE = {"c_cola_ud": 1e-6, "o_cola_od": 1e-5, "o_cola_ud": 1e-5}
 
 
-@pytest.fixture(scope="module")
-def report():
+@functools.cache
+def report(combinations: tuple) -> dict:
+  """The script's report on ``combinations`` of (method, layout), run once per test process."""
   env = dict(
     os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", OPENBLAS_NUM_THREADS="1", JAX_PLATFORMS="cpu"
   )
-  done = subprocess.run([sys.executable, str(CHECK)], env=env, capture_output=True, text=True, timeout=600)
+  command = [sys.executable, str(CHECK), *(f"{method}:{layout}" for method, layout in combinations)]
+  done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-4000:]
   return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def entry(report, method, layout):
-  (found,) = [r for r in report["reports"] if r["method"] == method and r["layout"] == layout]
+def entry(method, layout):
+  (found,) = [
+    r
+    for r in report(QUICK if (method, layout) in QUICK else ALL)["reports"]
+    if r["method"] == method and r["layout"] == layout
+  ]
   return found
 
 
-def test_eight_devices_and_partitionable_threefry(report):
-  assert report["devices"] == 8
+def checks(combinations):
+  """Parameters for ``combinations``, those outside the quick set marked slow."""
+  return [pytest.param(*c, marks=() if c in QUICK else pytest.mark.slow) for c in combinations]
+
+
+def test_eight_devices_and_partitionable_threefry():
+  found = report(QUICK)
+  assert found["devices"] == 8
   # The default since JAX 0.5: random bits depend on the key and the index of
   # the element only, not on how the array is sharded.
-  assert report["threefry_partitionable"] is True
+  assert found["threefry_partitionable"] is True
 
 
-@pytest.mark.parametrize("method,layout", METHODS_AND_LAYOUTS)
-def test_sharded_update(report, method, layout):
-  found = entry(report, method, layout)
+@pytest.mark.parametrize("method,layout", checks(METHODS_AND_LAYOUTS))
+def test_sharded_update(method, layout):
+  found = entry(method, layout)
   assert "error" not in found, found["error"]
   # The step returns parameters, momenta and slacks sharded as they came in.
   assert found["shardings_kept"], found["output_specs"]
@@ -64,52 +81,54 @@ def test_sharded_update(report, method, layout):
   assert found["noise_collectives"] == []
 
 
-@pytest.mark.parametrize("method,layout", [m for m in METHODS_AND_LAYOUTS if m[1] != "explicit"])
-def test_noise_is_drawn_shard_by_shard(report, method, layout):
-  found = entry(report, method, layout)
+@pytest.mark.parametrize("method,layout", checks([m for m in METHODS_AND_LAYOUTS if m[1] != "explicit"]))
+def test_noise_is_drawn_shard_by_shard(method, layout):
+  found = entry(method, layout)
   # No device builds a noise array larger than its largest parameter shard:
   # each draws the noise of its own shard (replicated leaves: all of it).
   assert found["noise_elements"] <= found["shard_elements"], found
 
 
-def test_collectives(report):
-  """The communication each layout needs, and only that."""
-  kinds = {
-    (r["method"], r["layout"]): {c.split()[0] for c in r["collectives"]}
-    for r in report["reports"]
-    if "collectives" in r
-  }
-  # Data parallel: the gradient mean is the only reduction; the update itself,
-  # noise and projections included, runs on every device without talking.
-  for method in ("c_cola_ud", "o_cola_od"):
-    found = entry(report, method, "data")["collectives"]
-    assert all("jvp" in c for c in found), found
+def update_collectives(method, layout):
+  """The collectives of the compiled step that do not come from the model's gradient."""
+  return [c for c in entry(method, layout)["collectives"] if "jvp" not in c]
+
+
+def test_collectives_on_row_shards():
+  """The communication row shards need, and only that."""
   # Circle constraints are elementwise: model parallelism adds nothing to
   # the model's own forward/backward collectives.
-  for layout in ("model_rows", "model_cols"):
-    found = entry(report, "c_cola_ud", layout)["collectives"]
-    assert all("jvp" in c for c in found), found
+  assert update_collectives("c_cola_ud", "model_rows") == []
   # Orthogonal, rows sharded (the long side of the tall matrix): the Gram
   # matrices Q^T Q (s x s) are all-reduced; full matrices are gathered only by
   # the SVD of the polar fallback, which runs when a projection fails.
-  rows = entry(report, "o_cola_od", "model_rows")["collectives"]
-  update = [c for c in rows if "jvp" not in c]
-  assert all(c.startswith("all-reduce") or "svd" in c for c in update), update
-  assert kinds[("o_cola_ud", "model_rows")] <= {"all-reduce", "all-gather"}
+  update = update_collectives("o_cola_od", "model_rows")
+  assert update and all(c.startswith("all-reduce") or "svd" in c for c in update), update
+
+
+@pytest.mark.slow
+def test_collectives_of_data_parallelism_column_shards_and_rattle():
+  # Data parallel: the gradient mean is the only reduction; the update itself,
+  # noise and projections included, runs on every device without talking.
+  for method in ("c_cola_ud", "o_cola_od"):
+    assert update_collectives(method, "data") == []
+  assert update_collectives("c_cola_ud", "model_cols") == []
+  kinds = {c.split()[0] for c in entry("o_cola_ud", "model_rows")["collectives"]}
+  assert kinds <= {"all-reduce", "all-gather"}, kinds
   # Orthogonal, columns sharded: the Gram needs whole columns, so the matrices
   # are all-gathered in every projection iteration.
-  cols = entry(report, "o_cola_od", "model_cols")["collectives"]
-  assert any(c.startswith("all-gather") and "svd" not in c and "jvp" not in c for c in cols), cols
+  cols = update_collectives("o_cola_od", "model_cols")
+  assert any(c.startswith("all-gather") and "svd" not in c for c in cols), cols
 
 
-def test_orthogonal_on_an_explicit_mesh(report):
-  found = entry(report, "o_cola_od", "explicit")
+def test_orthogonal_on_an_explicit_mesh():
+  found = entry("o_cola_od", "explicit")
   assert "error" not in found, found["error"]
   assert found["shardings_kept"]
   for error in found["max_rel_error"].values():
     assert error <= TOLERANCE["o_cola_od"]
 
 
-def test_noise_is_drawn_shard_by_shard_on_an_explicit_mesh(report):
-  found = entry(report, "c_cola_ud", "explicit")
+def test_noise_is_drawn_shard_by_shard_on_an_explicit_mesh():
+  found = entry("c_cola_ud", "explicit")
   assert found["noise_elements"] <= found["shard_elements"], found
