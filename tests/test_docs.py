@@ -45,6 +45,11 @@ def _nnx(ns):
   assert residuals["conv"]["kernel"] < 1e-5 and residuals["dense"]["kernel"] < 1e-5
 
 
+def _equinox(ns):
+  residuals = ns["eqx_residuals"].layers
+  assert [r.weight < 1e-6 for r in residuals[:3]] == [True] * 3 and residuals[3].weight is None
+
+
 def _seeds(ns):
   kernels = ns["params"]["kernel"]
   assert kernels.shape == (10, 8, 4)
@@ -68,6 +73,7 @@ CLAIMS = {  # a line of a block -> the check of what its comments say
   "residuals = cola.constraint_residuals(params, state)": _orthonormal_kernel,
   "residuals = cola.constraint_residuals(state.params, state.opt_state)": _linen,
   "nnx_residuals = cola.constraint_residuals(": _nnx,
+  "eqx_residuals = cola.constraint_residuals(params, opt_state)": _equinox,
   "params, states = train_seeds(": _seeds,
   "params = jax.device_put(params, shardings)": _sharded,
   "opt_state.constraint_states['kernel'].converged": _implicit,
@@ -85,7 +91,7 @@ def test_every_claim_names_a_block():
 @pytest.mark.parametrize("page", WITH_CODE, ids=[str(p.relative_to(ROOT)) for p in WITH_CODE])
 def test_page_runs_top_to_bottom(page):
   blocks = _blocks(page)
-  for module in ("flax", "orbax.checkpoint"):
+  for module in ("flax", "orbax.checkpoint", "equinox"):
     if any(re.search(rf"^\s*(from|import) {re.escape(module)}\b", b, flags=re.MULTILINE) for b in blocks):
       pytest.importorskip(module)
   namespace = {}
