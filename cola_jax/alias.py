@@ -7,6 +7,8 @@ constrained and biases are free; ``mask`` chooses otherwise, as in
 ``optax.masked``.
 """
 
+from __future__ import annotations
+
 import math
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +20,7 @@ import optax
 from cola_jax._hyperparameters import check_nonnegative, check_positive
 from cola_jax.constraints.circle import Circle
 from cola_jax.constraints.orthogonal import Orthogonal
-from cola_jax.transforms import cola_od, cola_ud
+from cola_jax.transforms import called_as, cola_od, cola_ud
 
 MaskOrFn = Any | Callable[[Any], Any] | None
 RadiusSpec = float | Any | Callable[[Any], Any]
@@ -118,18 +120,21 @@ def c_cola_od(
     key: a JAX PRNG key, required unless ``temperature`` is exactly 0.
 
   Returns:
-    :func:`cola_jax.cola_od` with :class:`cola_jax.Circle` constraints.
+    An ``optax.GradientTransformation``, :func:`cola_jax.cola_od` with :class:`cola_jax.Circle` constraints.
+    It is the last link of a chain (a transform after it would move the
+    parameters off the manifold), and its ``update`` needs ``params``.
 
   Example:
     >>> import cola_jax as cola
     >>> tx = cola.c_cola_od(0.1, radius={'hidden': 0.05, 'out': 0.1})  # doctest: +SKIP
   """
-  return cola_od(
-    learning_rate,
-    constraints=circle_constraints(radius, mask=mask, owner="c_cola_od"),
-    temperature=temperature,
-    key=key,
-  )
+  with called_as("c_cola_od"):
+    return cola_od(
+      learning_rate,
+      constraints=circle_constraints(radius, mask=mask, owner="c_cola_od"),
+      temperature=temperature,
+      key=key,
+    )
 
 
 def c_cola_ud(
@@ -150,23 +155,29 @@ def c_cola_ud(
   Args:
     learning_rate: the step size ``h > 0``, a number or an optax schedule.
     friction: ``gamma >= 0``.
-    radius: as for :func:`c_cola_od`.
-    mask: as for :func:`c_cola_od`.
+    radius: ``r > 0``: a number, a pytree prefix of the parameters with number
+      or ``None`` leaves (``None``: that leaf is free), or a callable mapping
+      the parameters to such a pytree.
+    mask: which leaves are constrained, as in ``optax.masked`` (a pytree of
+      bools or a callable); default: every leaf with ``ndim >= 2``.
     temperature: ``tau >= 0``, a number or an optax schedule.
     key: a JAX PRNG key, required unless ``temperature`` is exactly 0.
     splitting: ``"OBA"`` (the paper's) or ``"BAOAB"``; see :func:`cola_jax.cola_ud`.
 
   Returns:
-    :func:`cola_jax.cola_ud` with :class:`cola_jax.Circle` constraints.
+    An ``optax.GradientTransformation``, :func:`cola_jax.cola_ud` with :class:`cola_jax.Circle` constraints.
+    It is the last link of a chain (a transform after it would move the
+    parameters off the manifold), and its ``update`` needs ``params``.
   """
-  return cola_ud(
-    learning_rate,
-    friction=friction,
-    constraints=circle_constraints(radius, mask=mask, owner="c_cola_ud"),
-    temperature=temperature,
-    key=key,
-    splitting=splitting,
-  )
+  with called_as("c_cola_ud"):
+    return cola_ud(
+      learning_rate,
+      friction=friction,
+      constraints=circle_constraints(radius, mask=mask, owner="c_cola_ud"),
+      temperature=temperature,
+      key=key,
+      splitting=splitting,
+    )
 
 
 def o_cola_od(
@@ -193,12 +204,15 @@ def o_cola_od(
     projection: the solver of the projection, as for :class:`cola_jax.Orthogonal`.
 
   Returns:
-    :func:`cola_jax.cola_od` with :class:`cola_jax.Orthogonal` constraints.
+    An ``optax.GradientTransformation``, :func:`cola_jax.cola_od` with :class:`cola_jax.Orthogonal` constraints.
+    It is the last link of a chain (a transform after it would move the
+    parameters off the manifold), and its ``update`` needs ``params``.
   """
   constraints = orthogonal_constraints(
     mask=mask, tolerance=tolerance, max_iterations=max_iterations, projection=projection, owner="o_cola_od"
   )
-  return cola_od(learning_rate, constraints=constraints, temperature=temperature, key=key)
+  with called_as("o_cola_od"):
+    return cola_od(learning_rate, constraints=constraints, temperature=temperature, key=key)
 
 
 def o_cola_ud(
@@ -218,7 +232,9 @@ def o_cola_ud(
   Args:
     learning_rate: the step size ``h > 0``, a number or an optax schedule.
     friction: ``gamma >= 0``.
-    mask: as for :func:`o_cola_od`.
+    mask: which leaves are constrained (pytree of bools or callable); default:
+      every leaf with ``ndim >= 2``. A masked-in leaf with ``ndim < 2`` is an
+      error naming its path.
     temperature: ``tau >= 0``, a number or an optax schedule.
     key: a JAX PRNG key, required unless ``temperature`` is exactly 0.
     splitting: ``"OBA"`` (the paper's) or ``"BAOAB"``; see :func:`cola_jax.cola_ud`.
@@ -227,14 +243,17 @@ def o_cola_ud(
     projection: the solver of the projection, as for :class:`cola_jax.Orthogonal`.
 
   Returns:
-    :func:`cola_jax.cola_ud` with :class:`cola_jax.Orthogonal` constraints.
+    An ``optax.GradientTransformation``, :func:`cola_jax.cola_ud` with :class:`cola_jax.Orthogonal` constraints.
+    It is the last link of a chain (a transform after it would move the
+    parameters off the manifold), and its ``update`` needs ``params``.
   """
   constraints = orthogonal_constraints(
     mask=mask, tolerance=tolerance, max_iterations=max_iterations, projection=projection, owner="o_cola_ud"
   )
-  return cola_ud(
-    learning_rate, friction=friction, constraints=constraints, temperature=temperature, key=key, splitting=splitting
-  )
+  with called_as("o_cola_ud"):
+    return cola_ud(
+      learning_rate, friction=friction, constraints=constraints, temperature=temperature, key=key, splitting=splitting
+    )
 
 
 def sgd_momentum_to_langevin(learning_rate: float, momentum: float) -> tuple[float, float]:

@@ -16,6 +16,10 @@ and gives one independent key per leaf, so runs are reproducible under ``jit``
 and ``vmap`` and inside Flax's ``TrainState``.
 """
 
+from __future__ import annotations
+
+import contextlib
+import contextvars
 import sys
 from typing import Any, NamedTuple
 
@@ -47,6 +51,17 @@ class UnderdampedState(NamedTuple):
 
 
 _SPLITTINGS = ("OBA", "BAOAB")
+_CALLED_AS: contextvars.ContextVar[str | None] = contextvars.ContextVar("cola_jax_called_as", default=None)
+
+
+@contextlib.contextmanager
+def called_as(name: str):
+  """Within, ``cola_od`` and ``cola_ud`` name ``name`` in their errors: the function the user called."""
+  token = _CALLED_AS.set(name)
+  try:
+    yield
+  finally:
+    _CALLED_AS.reset(token)
 
 
 def _check_hyperparameters(owner, learning_rate, temperature, key) -> bool:
@@ -235,7 +250,7 @@ def cola_od(
     Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of
     Neural Networks*, OPT2020 (Sec. 3, Appendix B).
   """
-  owner = "cola_od"
+  owner = _CALLED_AS.get() or "cola_od"
   noisy = _check_hyperparameters(owner, learning_rate, temperature, key)
 
   def init_fn(params):
@@ -320,7 +335,7 @@ def cola_ud(
     Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of
     Neural Networks*, OPT2020 (Sec. 3, Appendix B).
   """
-  owner = "cola_ud"
+  owner = _CALLED_AS.get() or "cola_ud"
   if callable(friction):
     raise TypeError(f"{owner}: friction must be a number, not a schedule.")
   check_nonnegative(owner, "friction", friction)

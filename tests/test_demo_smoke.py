@@ -1,4 +1,4 @@
-"""benchmarks/demo.py, the README's first command, at a tiny size: what it prints and writes."""
+"""benchmarks/demo.py, the README's first command (results/demo.json is its committed run), at a tiny size."""
 
 import json
 

@@ -1,6 +1,6 @@
 """Many seeds at once: ``jax.vmap`` over PRNG keys, one jitted training loop.
 
-``train_seeds`` is the pattern the README quotes: each seed draws its own
+``train_seeds`` is the pattern docs/guides/many_seeds.md quotes: each seed draws its own
 initial parameters and builds its own optimizer (whose key lives in its
 state), and ``lax.scan`` runs the steps, so N seeds cost one compilation and
 run as one batched program.

@@ -28,7 +28,8 @@ def _code(path):
 
 
 def _imported(sources):
-  """Top-level modules the notebook imports, less the standard library, cola_jax and the repository's benchmarks."""
+  """Top-level modules the notebook imports, less the standard library and cola_jax; a notebook that imports the
+  repository's benchmarks needs what they import, the ``benchmarks`` extra."""
   modules = set()
   for source in sources:
     for node in ast.walk(ast.parse(source)):
@@ -36,7 +37,13 @@ def _imported(sources):
         modules |= {alias.name.split(".")[0] for alias in node.names}
       elif isinstance(node, ast.ImportFrom):
         modules.add(node.module.split(".")[0])
+  if "benchmarks" in modules:
+    modules |= _requirements("benchmarks")
   return modules - set(sys.stdlib_module_names) - {"cola_jax", "benchmarks"}
+
+
+def _requirements(extra):
+  return {re.match(r"[\w-]+", r).group() for r in PROJECT["optional-dependencies"][extra]}
 
 
 def _pip_install_arguments(install_cell):
@@ -51,10 +58,12 @@ def _installed(install_cell):
   """Modules the Colab install cell makes available: cola-jax's requirements, its extras, other packages named."""
   modules = set(CORE)
   for argument in _pip_install_arguments(install_cell):
-    cola = re.fullmatch(r"'cola-jax(?:\[([\w,]+)\])? @ git\+' \+ REPO_URL|str\(REPO_ROOT\)", argument)
+    cola = re.fullmatch(
+      r"'cola-jax(?:\[([\w,]+)\])? @ git\+' \+ REPO_URL|str\(REPO_ROOT\)(?: \+ '\[([\w,]+)\]')?", argument
+    )
     if cola:
-      for extra in (cola.group(1) or "").split(",") if cola.group(1) else []:
-        modules |= {re.match(r"[\w-]+", r).group() for r in PROJECT["optional-dependencies"][extra]}
+      for extra in (cola.group(1) or cola.group(2) or "").split(","):
+        modules |= _requirements(extra) if extra else set()
     else:
       modules.add(re.fullmatch(r"'([\w-]+)'", argument).group(1))
   return {MODULE.get(m, m) for m in modules}

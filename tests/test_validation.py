@@ -318,3 +318,22 @@ def test_residuals_of_python_scalar_leaves():
   tx = cola.cola_od(0.1, constraints=cola.Circle(0.1))
   residuals = cola.constraint_residuals(params, tx.init(params))
   assert float(residuals["s"]) < 1e-6 and float(residuals["w"]) < 1e-6
+
+
+@pytest.mark.parametrize(
+  "name, make",
+  [
+    ("c_cola_od", lambda lr: cola.c_cola_od(lr, radius=0.1)),
+    ("c_cola_ud", lambda lr: cola.c_cola_ud(lr, friction=1.0, radius=0.1)),
+    ("o_cola_od", lambda lr: cola.o_cola_od(lr)),
+    ("o_cola_ud", lambda lr: cola.o_cola_ud(lr, friction=1.0)),
+  ],
+)
+def test_errors_name_the_function_the_user_called(name, make):
+  """At construction and when init or update runs, and not for a cola_od/cola_ud built afterwards."""
+  with pytest.raises(ValueError, match=f"^{name}: learning_rate must be positive"):
+    make(INF)
+  with pytest.raises(TypeError, match=re.escape(f"{name}: params['name'] is 'layer'")):
+    make(0.1).init({"name": "layer", "w": jnp.ones(2)})
+  with pytest.raises(ValueError, match="^cola_od: learning_rate"):
+    cola.cola_od(INF)

@@ -1,0 +1,68 @@
+"""The API reference, generated from ``cola_jax.__all__``: each public name its own entry (anchor ``cola_jax.NAME``).
+
+A page holding the line ``{cola-api-reference}`` gets, in its place, one section per group of names (grouped by the
+module that defines them), each a summary table followed by the autodoc entries. A name added to ``__all__`` appears
+without editing the page; one from a module no group lists goes under "More".
+"""
+
+import importlib
+import inspect
+import types
+
+MARKER = "{cola-api-reference}"
+GROUPS = {  # section title -> the modules (prefixes of ``__module__``) whose public names it shows
+  "The paper's methods": ("cola_jax.alias",),
+  "Constrained Langevin transforms": ("cola_jax.transforms",),
+  "Constraints": ("cola_jax.constraints",),
+  "Declaring constraints on the model": ("cola_jax.declared", "cola_jax.path_rules"),
+  "Initialisation and diagnostics": ("cola_jax.initialization", "cola_jax.diagnostics"),
+  "The Langevin steps": ("cola_jax.langevin",),
+}
+MORE = "More"
+# Classes whose methods are part of what a user calls or implements; the others show their docstring only.
+WITH_MEMBERS = {"Constraint"}
+
+
+def _module_of(obj) -> str:
+  return obj.__name__ if isinstance(obj, types.ModuleType) else getattr(obj, "__module__", "") or ""
+
+
+def grouped(package) -> dict[str, list[str]]:
+  """The names of ``package.__all__`` by section, in ``GROUPS``'s order (then "More"), each sorted."""
+  sections: dict[str, list[str]] = {title: [] for title in [*GROUPS, MORE]}
+  for name in sorted(package.__all__):
+    module = _module_of(getattr(package, name))
+    title = next((t for t, prefixes in GROUPS.items() if module.startswith(prefixes)), MORE)
+    sections[title].append(name)
+  return {title: names for title, names in sections.items() if names}
+
+
+def _entry(package_name: str, name: str, obj) -> str:
+  full = f"{package_name}.{name}"
+  if isinstance(obj, types.ModuleType):
+    return f".. automodule:: {full}\n   :members:\n"
+  if inspect.isclass(obj):
+    members = "   :members:\n" if name in WITH_MEMBERS else ""
+    return f".. autoclass:: {full}\n{members}"
+  return f".. autofunction:: {full}\n"
+
+
+def reference(package_name: str = "cola_jax") -> str:
+  """The MyST text of the API reference of ``package_name``'s ``__all__``."""
+  package = importlib.import_module(package_name)
+  parts = []
+  for title, names in grouped(package).items():
+    table = "\n".join(f"   {package_name}.{n}" for n in names)
+    entries = "\n".join(_entry(package_name, n, getattr(package, n)) for n in names)
+    parts.append(f"## {title}\n\n```{{eval-rst}}\n.. autosummary::\n\n{table}\n\n{entries}```\n")
+  return "\n".join(parts)
+
+
+def _insert_reference(app, docname, source):
+  if MARKER in source[0]:
+    source[0] = source[0].replace(MARKER, reference())
+
+
+def setup(app):
+  app.connect("source-read", _insert_reference)
+  return {"parallel_read_safe": True, "parallel_write_safe": True}

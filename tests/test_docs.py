@@ -1,0 +1,183 @@
+"""The README and the documentation site (docs/): their examples run and say what they show, their numbers
+come from committed results, and the API reference has every public name.
+
+Every ```python block of a page runs, top to bottom and page by page, in one fresh namespace per page,
+as a reader would paste them into a fresh interpreter. The claims a block's comments make are checked
+on the page's namespace after that block (``CLAIMS``). The site itself is built by ``.ci/run``
+(``python -m sphinx -W``).
+"""
+
+import json
+import pathlib
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import cola_jax
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+README = ROOT / "README.md"
+PAGES = [README, *sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.relative_to(DOCS).parts)]
+REPOSITORY = "https://github.com/cola-jax/cola_jax"
+
+
+def _blocks(page):
+  return re.findall(r"^```python\n(.*?)^```$", page.read_text(), flags=re.DOTALL | re.MULTILINE)
+
+
+def _orthonormal_kernel(ns):
+  assert ns["residuals"]["bias"] is None
+  assert ns["residuals"]["kernel"] < 1e-6
+
+
+def _linen(ns):
+  residuals = ns["residuals"]
+  assert residuals["conv"]["kernel"] < 1e-5 and residuals["dense"]["kernel"] < 1e-5
+  assert int(ns["state"].step) == 1
+
+
+def _nnx(ns):
+  residuals = ns["nnx_residuals"]
+  assert residuals["conv"]["kernel"] < 1e-5 and residuals["dense"]["kernel"] < 1e-5
+
+
+def _equinox(ns):
+  residuals = ns["eqx_residuals"].layers
+  assert [r.weight < 1e-6 for r in residuals[:3]] == [True] * 3 and residuals[3].weight is None
+
+
+def _seeds(ns):
+  kernels = ns["params"]["kernel"]
+  assert kernels.shape == (10, 8, 4)
+  assert float(jnp.max(jnp.abs(kernels))) <= 0.05 * (1 + 1e-6)
+  assert len({bytes(k) for k in jax.device_get(kernels)}) == 10  # each seed its own run
+
+
+def _sharded(ns):
+  assert ns["opt_state"].constraint_states["kernel"].slack.sharding == ns["params"]["kernel"].sharding
+
+
+def _implicit(ns):
+  assert bool(ns["opt_state"].constraint_states["kernel"].converged)
+
+
+def _from_sgd_momentum(ns):
+  assert ns["h"] == pytest.approx(0.1**0.5) and ns["gamma"] == pytest.approx(-jnp.log(0.9) / 0.1**0.5)
+
+
+CLAIMS = {  # a line of a block -> the check of what its comments say
+  "residuals = cola.constraint_residuals(params, state)": _orthonormal_kernel,
+  "residuals = cola.constraint_residuals(state.params, state.opt_state)": _linen,
+  "nnx_residuals = cola.constraint_residuals(": _nnx,
+  "eqx_residuals = cola.constraint_residuals(params, opt_state)": _equinox,
+  "params, states = train_seeds(": _seeds,
+  "params = jax.device_put(params, shardings)": _sharded,
+  "opt_state.constraint_states['kernel'].converged": _implicit,
+  "h, gamma = cola.sgd_momentum_to_langevin(0.1, 0.9)": _from_sgd_momentum,
+}
+WITH_CODE = [p for p in PAGES if _blocks(p)]
+
+
+def test_every_claim_names_a_block():
+  blocks = [block for page in WITH_CODE for block in _blocks(page)]
+  for line, check in CLAIMS.items():
+    assert any(line in block for block in blocks), (line, check.__name__)
+
+
+@pytest.mark.parametrize("page", WITH_CODE, ids=[str(p.relative_to(ROOT)) for p in WITH_CODE])
+def test_page_runs_top_to_bottom(page):
+  blocks = _blocks(page)
+  for module in ("flax", "orbax.checkpoint", "equinox"):
+    if any(re.search(rf"^\s*(from|import) {re.escape(module)}\b", b, flags=re.MULTILINE) for b in blocks):
+      pytest.importorskip(module)
+  namespace = {}
+  for block in blocks:
+    exec(compile(block, str(page), "exec"), namespace)
+    for line, check in CLAIMS.items():
+      if line in block:
+        check(namespace)
+
+
+def test_every_page_has_a_title():
+  for page in PAGES:
+    assert page.read_text().startswith("# "), page
+
+
+def test_readme_is_a_landing_page_whose_links_work_from_the_wheel():
+  """The README is the package's long description: at most 200 lines, every link and image absolute."""
+  text = README.read_text()
+  assert len(text.splitlines()) <= 200
+  targets = re.findall(r"\]\(([^)\s]+)\)", text)
+  assert targets
+  assert [t for t in targets if not t.startswith(REPOSITORY)] == []
+
+
+def test_demo_numbers_are_those_of_the_committed_run():
+  """docs/reproductions.md quotes results/demo.json, and names the versions that made it."""
+  run = json.loads((ROOT / "results" / "demo.json").read_text())
+  page = (DOCS / "reproductions.md").read_text()
+  for name, label in run["methods"].items():
+    row = re.search(rf"^\| {re.escape(label)} \| (.*) \|$", page, flags=re.MULTILINE)
+    assert row, label
+    summary = run["summary"][name]
+    expected = [
+      f"{summary['train_loss_mean']:.3f} +- {summary['train_loss_std']:.3f}",
+      f"{summary['test_loss_mean']:.3f} +- {summary['test_loss_std']:.3f}",
+      f"{100 * summary['test_accuracy_mean']:.1f} +- {100 * summary['test_accuracy_std']:.1f} %",
+    ]
+    assert row.group(1).split(" | ") == expected
+  for package in ("jax", "optax", "flax", "numpy"):
+    assert f"{package} {run['versions'][package]}" in page
+
+
+def test_errata_cite_tests_that_exist():
+  """docs/errata.md names the tests that show each item (`tests/file.py::test`, `::test` for the same file)."""
+  errata = (DOCS / "errata.md").read_text()
+  cited, current = [], None
+  for path, name in re.findall(r"`(tests/[\w/]+\.py)?(?:::(\w+))?`", errata):
+    current = path or current
+    if path or name:
+      cited.append((current, name))
+  assert len(cited) >= 10
+  for path, name in cited:
+    source = (ROOT / path).read_text()
+    assert not name or f"def {name}(" in source, (path, name)
+
+
+@pytest.fixture(scope="module")
+def ext():
+  sys.path.insert(0, str(DOCS / "ext"))
+  yield __import__("api_reference")
+  sys.path.remove(str(DOCS / "ext"))
+
+
+def test_api_reference_has_an_entry_for_every_public_name(ext):
+  text = ext.reference()
+  entries = re.findall(r"^\.\. auto(?:function|class|module):: cola_jax\.(\w+)$", text, flags=re.MULTILINE)
+  assert sorted(entries) == sorted(cola_jax.__all__)
+
+
+def test_a_name_from_a_new_module_goes_under_more(ext, monkeypatch):
+  module = type(sys)("cola_jax.somewhere_new")
+  new = lambda: None
+  new.__module__ = module.__name__
+  monkeypatch.setattr(cola_jax, "new_public_name", new, raising=False)
+  monkeypatch.setattr(cola_jax, "__all__", [*cola_jax.__all__, "new_public_name"])
+  assert ext.grouped(cola_jax)[ext.MORE] == ["new_public_name"]
+  assert ".. autofunction:: cola_jax.new_public_name" in ext.reference()
+
+
+def test_coverage_check_names_the_missing_entries():
+  pytest.importorskip("sphinx")
+  sys.path.insert(0, str(DOCS / "ext"))
+  try:
+    coverage_check = __import__("coverage_check")
+  finally:
+    sys.path.remove(str(DOCS / "ext"))
+  documented = {f"cola_jax.{name}" for name in cola_jax.__all__}
+  assert coverage_check.missing_entries(cola_jax, documented) == []
+  assert coverage_check.missing_entries(cola_jax, documented - {"cola_jax.Orthogonal"}) == ["Orthogonal"]
