@@ -141,6 +141,7 @@ def c_cola_ud(
   temperature: optax.ScalarOrSchedule = 0.0,
   key: jax.Array | None = None,
   splitting: str = "OBA",
+  momentum_dtype: Any = None,
 ) -> optax.GradientTransformation:
   """c-CoLA-ud: underdamped Langevin (OBA) with ``|theta| <= radius`` per weight.
 
@@ -155,6 +156,7 @@ def c_cola_ud(
     temperature: ``tau >= 0``, a number or an optax schedule.
     key: a JAX PRNG key, required unless ``temperature`` is exactly 0.
     splitting: ``"OBA"`` (the paper's) or ``"BAOAB"``; see :func:`cola_jax.cola_ud`.
+    momentum_dtype: the momenta's stored dtype; see :func:`cola_jax.cola_ud`.
 
   Returns:
     :func:`cola_jax.cola_ud` with :class:`cola_jax.Circle` constraints.
@@ -166,6 +168,7 @@ def c_cola_ud(
     temperature=temperature,
     key=key,
     splitting=splitting,
+    momentum_dtype=momentum_dtype,
   )
 
 
@@ -212,6 +215,7 @@ def o_cola_ud(
   max_iterations: int = 20,
   splitting: str = "OBA",
   projection: str = "quasi_newton",
+  momentum_dtype: Any = None,
 ) -> optax.GradientTransformation:
   """o-CoLA-ud: underdamped Langevin (OBA, RATTLE A step) with orthonormal weights.
 
@@ -225,6 +229,7 @@ def o_cola_ud(
     tolerance: projection tolerance on ``max |Q^T Q - I|``.
     max_iterations: bound on quasi-Newton iterations per projection.
     projection: the solver of the projection, as for :class:`cola_jax.Orthogonal`.
+    momentum_dtype: the momenta's stored dtype; see :func:`cola_jax.cola_ud`.
 
   Returns:
     :func:`cola_jax.cola_ud` with :class:`cola_jax.Orthogonal` constraints.
@@ -233,7 +238,13 @@ def o_cola_ud(
     mask=mask, tolerance=tolerance, max_iterations=max_iterations, projection=projection, owner="o_cola_ud"
   )
   return cola_ud(
-    learning_rate, friction=friction, constraints=constraints, temperature=temperature, key=key, splitting=splitting
+    learning_rate,
+    friction=friction,
+    constraints=constraints,
+    temperature=temperature,
+    key=key,
+    splitting=splitting,
+    momentum_dtype=momentum_dtype,
   )
 
 
