@@ -171,3 +171,24 @@ def test_aliases_pass_the_momentum_dtype_on():
     assert {m.dtype for m in jax.tree.leaves(tx.init(params).momentum)} == {jnp.dtype(jnp.bfloat16)}
   with pytest.raises(TypeError, match="cola_ud: momentum_dtype"):
     cola.c_cola_ud(0.1, friction=1.0, radius=0.2, momentum_dtype=jnp.int8)
+
+
+@pytest.mark.slow
+def test_state_bytes_script_counts_four_bytes_per_slack_and_momentum(load_benchmark, tmp_path):
+  script = load_benchmark("mixed_precision_state")
+  report = script.main(["--out", str(tmp_path)])
+  bf16 = next(entry for entry in report["results"] if entry["param_dtype"] == "bfloat16")
+  rows = {row["method"]: row for row in bf16["rows"]}
+  entries = bf16["param_bytes"] // BF16
+  # The layer kernels: attention in (d, 3d) and out (d, d), feed-forward (d, f) and (f, d), in every layer.
+  d, f = script.MODEL["d_model"], script.MODEL["d_ff"]
+  kernels = script.MODEL["n_layers"] * (3 * d * d + d * d + 2 * d * f)
+  radii = F32 * 4  # a float32 radius per kernel leaf (the layers are stacked: four leaves)
+  # Circle: a float32 slack per kernel weight; cola_ud adds a momentum per parameter.
+  assert rows["cola_od, Circle(0.2)"]["float32_bytes"] == F32 * kernels + radii
+  assert rows["cola_ud, Circle(0.2)"]["float32_bytes"] == F32 * (kernels + entries) + radii
+  key = rows["cola_ud, Circle(0.2)"]["state_bytes"] - rows["cola_ud, Circle(0.2)"]["float32_bytes"] - 4  # - count
+  assert key == 8  # threefry key data: two uint32
+  with_bf16_momenta = rows["cola_ud, Circle(0.2), momentum_dtype=bfloat16"]["state_bytes"]
+  assert with_bf16_momenta == F32 * kernels + radii + BF16 * entries + key + 4
+  assert rows["optax.sgd(0.01, momentum=0.9)"]["state_bytes"] == bf16["param_bytes"]
