@@ -28,7 +28,10 @@ import sys
 
 _MODE = sys.argv[1]
 _DEVICES = 2 if _MODE == "worker" else 4
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={_DEVICES}"
+# The inherited flags (the test suite's compiler level) and this mode's device count.
+_COUNT = "--xla_force_host_platform_device_count"
+_FLAGS = [flag for flag in os.environ.get("XLA_FLAGS", "").split() if not flag.startswith(_COUNT)]
+os.environ["XLA_FLAGS"] = " ".join([*_FLAGS, f"{_COUNT}={_DEVICES}"])
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
