@@ -51,3 +51,16 @@ def check_positive_integer(owner: str, name: str, value: Any) -> None:
   x = _known(owner, name, value)
   if x is not None and not (math.isfinite(x) and x >= 1 and x == int(x)):
     raise ValueError(f"{owner}: {name} must be a positive integer, got {value!r}.")
+
+
+def check_floating_dtype(owner: str, name: str, value: Any) -> Any:
+  """``value`` as a NumPy dtype; raises unless it names a real floating point type (None passes)."""
+  if value is None:
+    return None
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError:
+    raise TypeError(f"{owner}: {name} must be a floating point dtype such as jnp.bfloat16, got {value!r}.") from None
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"{owner}: {name} must be a floating point dtype such as jnp.bfloat16, got {dtype}.")
+  return dtype

@@ -146,6 +146,7 @@ def c_cola_ud(
   temperature: optax.ScalarOrSchedule = 0.0,
   key: jax.Array | None = None,
   splitting: str = "OBA",
+  momentum_dtype: Any = None,
 ) -> optax.GradientTransformation:
   """c-CoLA-ud: underdamped Langevin (OBA) with ``|theta| <= radius`` per weight.
 
@@ -163,6 +164,7 @@ def c_cola_ud(
     temperature: ``tau >= 0``, a number or an optax schedule.
     key: a JAX PRNG key, required unless ``temperature`` is exactly 0.
     splitting: ``"OBA"`` (the paper's) or ``"BAOAB"``; see :func:`cola_jax.cola_ud`.
+    momentum_dtype: the momenta's stored dtype; see :func:`cola_jax.cola_ud`.
 
   Returns:
     An ``optax.GradientTransformation``, :func:`cola_jax.cola_ud` with :class:`cola_jax.Circle` constraints.
@@ -177,6 +179,7 @@ def c_cola_ud(
       temperature=temperature,
       key=key,
       splitting=splitting,
+      momentum_dtype=momentum_dtype,
     )
 
 
@@ -226,6 +229,7 @@ def o_cola_ud(
   max_iterations: int = 20,
   splitting: str = "OBA",
   projection: str = "quasi_newton",
+  momentum_dtype: Any = None,
 ) -> optax.GradientTransformation:
   """o-CoLA-ud: underdamped Langevin (OBA, RATTLE A step) with orthonormal weights.
 
@@ -241,6 +245,7 @@ def o_cola_ud(
     tolerance: projection tolerance on ``max |Q^T Q - I|``.
     max_iterations: bound on quasi-Newton iterations per projection.
     projection: the solver of the projection, as for :class:`cola_jax.Orthogonal`.
+    momentum_dtype: the momenta's stored dtype; see :func:`cola_jax.cola_ud`.
 
   Returns:
     An ``optax.GradientTransformation``, :func:`cola_jax.cola_ud` with :class:`cola_jax.Orthogonal` constraints.
@@ -252,7 +257,13 @@ def o_cola_ud(
   )
   with called_as("o_cola_ud"):
     return cola_ud(
-      learning_rate, friction=friction, constraints=constraints, temperature=temperature, key=key, splitting=splitting
+      learning_rate,
+      friction=friction,
+      constraints=constraints,
+      temperature=temperature,
+      key=key,
+      splitting=splitting,
+      momentum_dtype=momentum_dtype,
     )
 
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from cola_jax import langevin
-from cola_jax._hyperparameters import check_nonnegative, check_positive
+from cola_jax._hyperparameters import check_floating_dtype, check_nonnegative, check_positive
 from cola_jax._numerics import concrete_float, explicit_sharding
 from cola_jax._tree import ConstraintSpec, LeafLayout
 
@@ -288,6 +288,7 @@ def cola_ud(
   temperature: optax.ScalarOrSchedule = 0.0,
   key: jax.Array | None = None,
   splitting: str = "OBA",
+  momentum_dtype: Any = None,
 ) -> optax.GradientTransformation:
   r"""Constrained underdamped Langevin dynamics (CoLA-ud), OBA or BAOAB splitting.
 
@@ -315,6 +316,12 @@ def cola_ud(
     splitting: ``"OBA"`` (the paper's; equals SGD with momentum at ``tau = 0``)
       or ``"BAOAB"`` (more accurate configurational averages at the same step
       size; two A half steps per update, see :func:`cola_jax.langevin.baoab_step`).
+    momentum_dtype: the dtype the momenta are stored in between steps (as
+      ``accumulator_dtype`` in ``optax.sgd``). ``None`` (default): the compute
+      dtype, float32 for bfloat16 or float16 parameters. ``jnp.bfloat16``
+      halves the momenta of a bfloat16 model; the step still computes in
+      float32 and rounds the new momentum once. Positions and slack variables
+      stay in the compute dtype, so the constraints hold as closely.
 
   Returns:
     An ``optax.GradientTransformation`` whose ``update`` needs ``params``. It
@@ -342,11 +349,14 @@ def cola_ud(
   noisy = _check_hyperparameters(owner, learning_rate, temperature, key)
   if splitting not in _SPLITTINGS:
     raise ValueError(f"{owner}: splitting must be one of {_SPLITTINGS}, got {splitting!r}.")
+  momentum_dtype = check_floating_dtype(owner, "momentum_dtype", momentum_dtype)
 
   def init_fn(params):
     layout = LeafLayout(owner, constraints, _without_variables(params))
     auxes = [c.init(p) for c, p in zip(layout.constraints, layout.compute)]
     momenta = [c.zero_momentum(p) for c, p in zip(layout.constraints, layout.compute)]
+    if momentum_dtype is not None:
+      momenta = [m.astype(momentum_dtype) for m in momenta]
     return UnderdampedState(
       count=jnp.zeros([], jnp.int32),
       key=key,
@@ -369,7 +379,7 @@ def cola_ud(
     kick = jnp.where(state.count == 0, h / 2, h)
 
     def leaf_step(c, param, grad, aux, stored, leaf_key):
-      point, momentum = c.point(param, aux), c.load_momentum(stored)
+      point, momentum = c.point(param, aux), c.load_momentum(stored.astype(param.dtype))
       if splitting == "OBA":
         point, momentum = langevin.oba_step(c, point, momentum, grad, h, decay, noise_scale, leaf_key)
       else:

@@ -46,9 +46,11 @@ import re
 import sys
 
 _DEVICES = 8
-_FLAG = f"--xla_force_host_platform_device_count={_DEVICES}"
+# A device count already in XLA_FLAGS wins: tests/multihost_check.py imports
+# this module's problem and step with 2 or 4 devices.
+_FLAG = "--xla_force_host_platform_device_count"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_FLAG}={_DEVICES}").strip()
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import jax  # noqa: E402
@@ -131,9 +133,21 @@ def init_at(tx, params, tau, mesh=None):
   state = tx.init(params)
   state = state._replace(hyperparams=dict(state.hyperparams, temperature=jnp.float32(tau)))
   if mesh is not None:
-    replicated = NamedSharding(mesh, P())
-    state = jax.tree.map(lambda a: a if a.ndim else jax.device_put(a, replicated), state)
+    state = jax.tree.map(lambda a: a if a.ndim else replicated(a, mesh), state)
   return state
+
+
+def replicated(scalar, mesh):
+  """``scalar`` on every device of ``mesh``, through its host value.
+
+  (``jax.device_put`` takes an array on one device to a sharding that spans
+  other processes' devices only from host values, which every process has.)
+  """
+  sharding = NamedSharding(mesh, P())
+  if not jnp.issubdtype(scalar.dtype, jax.dtypes.prng_key):
+    return jax.device_put(np.asarray(scalar), sharding)
+  data = jax.device_put(np.asarray(jax.random.key_data(scalar)), sharding)
+  return jax.random.wrap_key_data(data, impl=jax.random.key_impl(scalar))
 
 
 def train(step, params, state, x, y):
