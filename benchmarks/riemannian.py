@@ -1,0 +1,361 @@
+#!/usr/bin/env python
+r"""Riemannian Adam and SGD with momentum on Stiefel problems with known optima, against geoopt.
+
+Problems (float32, ``W`` of shape ``(n, k)`` with orthonormal columns, the same
+start ``qf(N(0, 1))`` for every optimizer):
+
+* ``top_k``: maximise ``tr(W^T A W)``, ``A`` symmetric Gaussian ``n x n``; the
+  optimum is the sum of ``A``'s ``k`` largest eigenvalues.
+* ``procrustes``: maximise ``tr(W^T X^T Y)`` (orthogonal Procrustes, ``X``
+  ``m x n`` with orthonormal columns so that ``|X W - Y|^2 = k + |Y|^2 - 2 tr``,
+  ``Y = X W_0 + noise``); the optimum is the nuclear norm of ``X^T Y``.
+
+Optimizers: ``cola.constrained(optax.adam(lr))`` and
+``cola.constrained(optax.sgd(lr, momentum=0.9))`` (polar retraction); the
+naive chain ``optax.chain(optax.scale_by_adam(), cola.cola_od(lr))`` (Adam fed
+the Euclidean gradient, then o-CoLA-od's projection); geoopt's
+``RiemannianAdam`` and ``RiemannianSGD(momentum=0.9)`` on an
+``EuclideanStiefel`` ``ManifoldParameter`` (QR retraction, projection as
+transport of the first moment), torch on CPU. Each runs at every learning rate
+of ``--lrs``; reported: the fewest iterations to a relative gap
+``(f* - f) / f*`` of ``--target`` (and its learning rate), and for the large
+problem the gap after ``--steps-large`` steps at the best learning rate, with
+whether every iterate stayed finite and on the manifold (``max |W^T W - I| <=
+1e-5``).
+
+Time per step at the large size: a jitted step (gradient, update, apply) of
+each JAX optimizer, against a torch step (forward, backward, ``step``), median
+over repetitions, back to back in one process; plus the JAX step's compile
+time and ``memory_analysis()``. ``constrained(..., retraction="projection")``
+is timed too, with how often its projection fell back to the polar factor.
+
+Writes ``riemannian.json`` and ``riemannian.png`` to ``--out``. Without torch
+and geoopt the geoopt columns are skipped (said so in the JSON's
+``geoopt_skipped``).
+
+Run: ``python benchmarks/riemannian.py`` (``--smoke``: tiny sizes, seconds).
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import cola_jax as cola
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a script or loaded by path
+from _common import provenance, write_json
+
+ON_MANIFOLD = 1e-5
+
+
+def make_problem(kind, n, k, seed, m=None):
+  """(A or M, optimum, start) in float64 numpy; the objective is tr(W^T A W) or tr(W^T M)."""
+  rng = np.random.default_rng(seed)
+  start = np.linalg.qr(rng.standard_normal((n, k)))[0].astype(np.float32)
+  if kind == "top_k":
+    x = rng.standard_normal((n, n))
+    a = ((x + x.T) / 2).astype(np.float32)
+    return a, float(np.sort(np.linalg.eigvalsh(a.astype(np.float64)))[-k:].sum()), start
+  x = np.linalg.qr(rng.standard_normal((m, n)))[0]
+  w_0 = np.linalg.qr(rng.standard_normal((n, k)))[0]
+  y = x @ w_0 + 0.3 * rng.standard_normal((m, k))
+  target = (x.T @ y).astype(np.float32)
+  return target, float(np.linalg.svd(target.astype(np.float64), compute_uv=False).sum()), start
+
+
+def jax_objective(kind, data):
+  data = jnp.asarray(data)
+  if kind == "top_k":
+    return lambda w: jnp.sum(w * (data @ w))
+  return lambda w: jnp.sum(w * data)
+
+
+def jax_optimizers():
+  orthogonal = cola.Orthogonal()
+  return {
+    "cola constrained(adam)": lambda lr: cola.constrained(optax.adam(lr), constraints=orthogonal),
+    "cola constrained(sgd, momentum 0.9)": lambda lr: cola.constrained(
+      optax.sgd(lr, momentum=0.9), constraints=orthogonal
+    ),
+    "naive chain: scale_by_adam -> cola_od": lambda lr: optax.chain(
+      optax.scale_by_adam(), cola.cola_od(lr, constraints=orthogonal)
+    ),
+  }
+
+
+def jax_trajectory(make_tx, objective, start, lr, steps):
+  """(objective after every step, max |W^T W - I| after every step, seconds incl. compile)."""
+  tx = make_tx(lr)
+  loss = lambda w: -objective(w)
+
+  def step(carry, _):
+    w, s = carry
+    updates, s = tx.update(jax.grad(loss)(w), s, w)
+    w = optax.apply_updates(w, updates)
+    defect = jnp.max(jnp.abs(w.T @ w - jnp.eye(w.shape[1], dtype=w.dtype)))
+    return (w, s), (objective(w), defect)
+
+  t = time.perf_counter()
+  w0 = jnp.asarray(start)
+  values, defects = jax.jit(lambda w: jax.lax.scan(step, (w, tx.init(w)), None, length=steps)[1])(w0)
+  values = np.asarray(values, np.float64)
+  return values, np.asarray(defects, np.float64), time.perf_counter() - t
+
+
+def torch_trajectory(name, kind, data, start, lr, steps):
+  import geoopt
+  import torch
+
+  w = geoopt.ManifoldParameter(torch.tensor(start), manifold=geoopt.EuclideanStiefel())
+  d = torch.tensor(data)
+  if name == "geoopt RiemannianAdam":
+    opt = geoopt.optim.RiemannianAdam([w], lr=lr)
+  else:
+    opt = geoopt.optim.RiemannianSGD([w], lr=lr, momentum=0.9)
+  objective = (lambda w: (w * (d @ w)).sum()) if kind == "top_k" else (lambda w: (w * d).sum())
+  eye = torch.eye(start.shape[1])
+  values, defects = np.empty(steps), np.empty(steps)
+  t = time.perf_counter()
+  for i in range(steps):
+    opt.zero_grad()
+    (-objective(w)).backward()
+    opt.step()
+    with torch.no_grad():
+      values[i] = float(objective(w))
+      defects[i] = float((w.T @ w - eye).abs().max())
+  return values, defects, time.perf_counter() - t
+
+
+def relative_gap(values, optimum):
+  gap = (optimum - values) / abs(optimum)
+  return np.where(np.isfinite(gap), gap, np.inf)
+
+
+def summarise(values, defects, optimum, target):
+  gap = relative_gap(values, optimum)
+  reached = np.flatnonzero(gap <= target)
+  finite = bool(np.all(np.isfinite(values)) and np.all(np.isfinite(defects)))
+  return {
+    "iterations_to_target": int(reached[0]) + 1 if reached.size else None,
+    "final_gap": float(gap[-1]) if np.isfinite(gap[-1]) else None,
+    "finite_at_every_step": finite,
+    "on_manifold_at_every_step": bool(finite and np.max(defects) <= ON_MANIFOLD),
+    "max_defect": float(np.max(defects)) if finite else None,
+    "gap_curve": [float(g) if np.isfinite(g) else None for g in gap],
+  }
+
+
+def best(runs):
+  """The learning rate with the fewest iterations to target, then the smallest final gap."""
+
+  def rank(item):
+    _, r = item
+    return (r["iterations_to_target"] is None, r["iterations_to_target"] or 0, r["final_gap"] or np.inf)
+
+  lr, run = min(runs.items(), key=rank)
+  return {"lr": float(lr), **run}
+
+
+def time_jax_step(make_tx, objective, start, lr, repetitions):
+  tx = make_tx(lr)
+  loss = lambda w: -objective(w)
+
+  def step(w, s):
+    updates, s = tx.update(jax.grad(loss)(w), s, w)
+    return optax.apply_updates(w, updates), s
+
+  w, s = jnp.asarray(start), tx.init(jnp.asarray(start))
+  t = time.perf_counter()
+  compiled = jax.jit(step).lower(w, s).compile()
+  compile_s = time.perf_counter() - t
+  memory = compiled.memory_analysis()
+  for _ in range(5):
+    w, s = compiled(w, s)
+  jax.block_until_ready(w)
+  times = []
+  for _ in range(repetitions):
+    t = time.perf_counter()
+    w, s = compiled(w, s)
+    jax.block_until_ready(w)
+    times.append(time.perf_counter() - t)
+  fallbacks = None
+  if isinstance(s, cola.ConstrainedState):
+    fallbacks = not bool(s.constraint_states.converged)
+  return {
+    "ms_per_step": 1e3 * float(np.median(times)),
+    "compile_s": compile_s,
+    "temp_bytes": getattr(memory, "temp_size_in_bytes", None),
+    "last_step_fell_back_to_polar": fallbacks,
+  }
+
+
+def time_torch_step(name, kind, data, start, lr, repetitions):
+  import geoopt
+  import torch
+
+  w = geoopt.ManifoldParameter(torch.tensor(start), manifold=geoopt.EuclideanStiefel())
+  d = torch.tensor(data)
+  opt = (
+    geoopt.optim.RiemannianAdam([w], lr=lr)
+    if name == "geoopt RiemannianAdam"
+    else geoopt.optim.RiemannianSGD([w], lr=lr, momentum=0.9)
+  )
+  objective = (lambda w: (w * (d @ w)).sum()) if kind == "top_k" else (lambda w: (w * d).sum())
+  times = []
+  for i in range(repetitions + 5):
+    t = time.perf_counter()
+    opt.zero_grad()
+    (-objective(w)).backward()
+    opt.step()
+    if i >= 5:
+      times.append(time.perf_counter() - t)
+  return {"ms_per_step": 1e3 * float(np.median(times))}
+
+
+def geoopt_available():
+  try:
+    import geoopt  # noqa: F401
+    import torch  # noqa: F401
+  except ImportError as error:
+    return str(error)
+  return None
+
+
+def plot(report, path):
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  problems = report["problems"]
+  fig, axes = plt.subplots(1, len(problems), figsize=(5 * len(problems), 4))
+  for ax, (label, problem) in zip(np.atleast_1d(axes), problems.items()):
+    for name, run in problem["best"].items():
+      curve = np.array([np.nan if g is None else g for g in run["gap_curve"]])
+      ax.semilogy(np.arange(1, curve.size + 1), np.maximum(curve, 1e-8), label=f"{name} (lr {run['lr']:g})")
+    ax.axhline(report["target"], color="grey", lw=0.8, ls=":")
+    ax.set_title(label)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("relative gap to the optimum")
+  np.atleast_1d(axes)[0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--smoke", action="store_true", help="tiny sizes, few steps: a check that runs in seconds")
+  p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1])
+  p.add_argument("--steps", type=int, default=600, help="iterations at most on the small problems")
+  p.add_argument("--steps-large", type=int, default=300)
+  p.add_argument("--target", type=float, default=1e-3)
+  p.add_argument("--repetitions", type=int, default=200, help="timed steps")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out", default="results")
+  return p.parse_args(argv)
+
+
+def main(argv=None):
+  argv = sys.argv[1:] if argv is None else argv
+  args = parse_args(argv)
+  start_time = time.perf_counter()
+  if args.smoke:
+    args.lrs, args.steps, args.steps_large, args.repetitions = [1e-2, 1e-1], 50, 20, 5
+  small, large = ((12, 3), (24, 4)) if args.smoke else ((48, 6), (512, 64))
+  problems = {
+    f"top-{small[1]} of {small[0]}": ("top_k", *small, None),
+    f"Procrustes {4 * small[0] + 8}x{small[0]} -> {small[1]}": ("procrustes", *small, 4 * small[0] + 8),
+    f"top-{large[1]} of {large[0]}": ("top_k", *large, None),
+  }
+  if not args.smoke:
+    problems = {
+      "top-6 of 48": ("top_k", 48, 6, None),
+      "Procrustes 200x48 -> 6": ("procrustes", 48, 6, 200),
+      "top-64 of 512": ("top_k", 512, 64, None),
+    }
+  skipped = geoopt_available()
+  if skipped:
+    print(f"geoopt columns skipped: {skipped} (pip install torch geoopt to run them)")
+  names = list(jax_optimizers()) + ([] if skipped else ["geoopt RiemannianAdam", "geoopt RiemannianSGD, momentum 0.9"])
+  report = {
+    "meta": provenance(argv, start_time),
+    "target": args.target,
+    "lrs": args.lrs,
+    "geoopt_skipped": skipped,
+    "problems": {},
+  }
+  if not skipped:
+    import geoopt
+    import torch
+
+    report["meta"]["versions"].update(torch=torch.__version__, geoopt=geoopt.__version__)
+    report["meta"]["torch_threads"] = torch.get_num_threads()
+
+  for label, (kind, n, k, m) in problems.items():
+    data, optimum, start = make_problem(kind, n, k, args.seed, m)
+    objective = jax_objective(kind, data)
+    steps = args.steps_large if n == large[0] else args.steps
+    runs = {}
+    for name in names:
+      runs[name] = {}
+      for lr in args.lrs:
+        if name.startswith("geoopt"):
+          values, defects, seconds = torch_trajectory(name, kind, data, start, lr, steps)
+        else:
+          values, defects, seconds = jax_trajectory(jax_optimizers()[name], objective, start, lr, steps)
+        runs[name][lr] = {**summarise(values, defects, optimum, args.target), "seconds": seconds}
+      chosen = best(runs[name])
+      print(
+        f"{label:24s} {name:40s} lr {chosen['lr']:<6g} iterations {chosen['iterations_to_target']} "
+        f"final gap {chosen['final_gap']} finite {chosen['finite_at_every_step']} "
+        f"on manifold {chosen['on_manifold_at_every_step']}",
+        flush=True,
+      )
+    report["problems"][label] = {
+      "kind": kind,
+      "shape": [n, k],
+      "optimum": optimum,
+      "steps": steps,
+      "best": {name: best(runs[name]) for name in names},
+      "all": {name: {str(lr): {**r, "gap_curve": None} for lr, r in runs[name].items()} for name in names},
+    }
+
+  kind, n, k, m = problems[f"top-{large[1]} of {large[0]}"]
+  data, _, start = make_problem(kind, n, k, args.seed, m)
+  objective = jax_objective(kind, data)
+  timing_optimizers = {
+    **jax_optimizers(),
+    "cola constrained(adam), retraction='projection'": lambda lr: cola.constrained(
+      optax.adam(lr), constraints=cola.Orthogonal(), retraction="projection"
+    ),
+  }
+  timing = {}
+  for lr in (1e-2, 1e-1):
+    for name, make_tx in timing_optimizers.items():
+      timing[f"{name} @ lr {lr:g}"] = time_jax_step(make_tx, objective, start, lr, args.repetitions)
+    if not skipped:
+      for name in names[len(jax_optimizers()) :]:
+        timing[f"{name} @ lr {lr:g}"] = time_torch_step(name, kind, data, start, lr, args.repetitions)
+  for name, t in timing.items():
+    print(f"{name:60s} {t['ms_per_step']:.3f} ms/step", flush=True)
+  report["timing_shape"] = [n, k]
+  report["timing"] = timing
+  report["meta"]["wall_time_s"] = time.perf_counter() - start_time
+
+  os.makedirs(args.out, exist_ok=True)
+  write_json(os.path.join(args.out, "riemannian.json"), report)
+  try:
+    plot(report, os.path.join(args.out, "riemannian.png"))
+  except ImportError as error:
+    print(f"no plot: {error}")
+  return report
+
+
+if __name__ == "__main__":
+  main()
