@@ -212,3 +212,42 @@ def test_orbax_round_trip_resumes_the_same_run(tmp_path):
   uninterrupted = run(tx, half, loss, 5, state=half_state)[0]
   for name in spec:
     np.testing.assert_array_equal(resumed[name], uninterrupted[name])  # the same program from the same values
+
+
+def test_flax_train_state_and_nnx_optimizer_train_as_the_plain_loop():
+  pytest.importorskip("flax")
+  from flax import linen as nn
+  from flax import nnx
+  from flax.training import train_state
+
+  x = jax.random.normal(jax.random.key(3), (16, 4))
+  y = jnp.sin(x[:, :2])
+  rules = cola.path_constraints([(r"kernel$", cola.Orthogonal())])
+  tx = cola.constrained(optax.adamw(0.02, weight_decay=1e-2), constraints=rules)
+
+  linen = nn.Dense(4)
+  params = cola.project_params(linen.init(jax.random.key(0), x)["params"], rules)
+  state = train_state.TrainState.create(apply_fn=linen.apply, params=params, tx=tx)
+  linen_loss = lambda p: jnp.mean((linen.apply({"params": p}, x)[:, :2] - y) ** 2)
+  for _ in range(4):
+    state = state.apply_gradients(grads=jax.grad(linen_loss)(state.params))
+  reference, _ = run(tx, params, linen_loss, 4)
+  np.testing.assert_allclose(state.params["kernel"], reference["kernel"], atol=1e-6)
+  assert max_residual(state.params, state.opt_state) <= 1e-6
+
+  model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+  nnx.update(model, cola.project_params(nnx.as_pure(nnx.state(model, nnx.Param)), rules))
+  start = nnx.as_pure(nnx.state(model, nnx.Param))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer):
+    optimizer.update(model, nnx.grad(lambda m: jnp.mean((m(x)[:, :2] - y) ** 2))(model))
+
+  for _ in range(4):
+    step(model, optimizer)
+  nnx_loss = lambda p: jnp.mean(((x @ p["kernel"] + p["bias"])[:, :2] - y) ** 2)
+  reference, _ = run(tx, start, nnx_loss, 4)
+  trained = nnx.as_pure(nnx.state(model, nnx.Param))
+  np.testing.assert_allclose(trained["kernel"], reference["kernel"], atol=1e-6)
+  np.testing.assert_allclose(trained["bias"], reference["bias"], atol=1e-6)
