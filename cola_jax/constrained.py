@@ -79,6 +79,24 @@ def _polar_retraction(c: Orthogonal, point: StiefelPoint, step: jax.Array) -> St
   return StiefelPoint(matrix, info)
 
 
+def _points(layout: LeafLayout, auxes: list) -> list:
+  """Each constrained leaf's point on its manifold (re-established from the parameter); None for free leaves."""
+  return [
+    None if isinstance(c, Euclidean) else c.point(p, aux)
+    for c, p, aux in zip(layout.constraints, layout.compute, auxes)
+  ]
+
+
+def _seen_params(layout: LeafLayout, points: list):
+  """The parameters as ``inner`` sees them: free leaves as given, constrained ones as their tangent projections."""
+  return layout.unflatten(
+    [
+      param if q is None else _tangent(c, q, p, p)
+      for c, q, p, param in zip(layout.constraints, points, layout.compute, layout.params)
+    ]
+  )
+
+
 def _retract(c: Constraint, point, coordinates, ambient: bool, retraction: str):
   """The point reached from ``point`` by the tangent vector with these momentum coordinates."""
   if ambient:
@@ -186,20 +204,11 @@ def constrained(
     raise ValueError(f"{owner}: retraction must be one of {_RETRACTIONS}, got {retraction!r}.")
   inner = optax.with_extra_args_support(inner)
 
-  def tangent_params(layout, auxes, originals):
-    """The leaves as ``inner`` sees params: free leaves as given, constrained ones as tangent coordinates."""
-    seen = []
-    for c, p, aux, original in zip(layout.constraints, layout.compute, auxes, originals):
-      seen.append(original if isinstance(c, Euclidean) else _tangent(c, c.point(p, aux), p, p))
-    return layout.unflatten(seen)
-
   def init_fn(params):
-    params = _without_variables(params)
-    layout = LeafLayout(owner, constraints, params)
+    layout = LeafLayout(owner, constraints, _without_variables(params))
     auxes = [c.init(p) for c, p in zip(layout.constraints, layout.compute)]
-    return ConstrainedState(
-      inner_state=inner.init(tangent_params(layout, auxes, layout.params)), constraint_states=layout.unflatten(auxes)
-    )
+    seen_params = _seen_params(layout, _points(layout, auxes))
+    return ConstrainedState(inner_state=inner.init(seen_params), constraint_states=layout.unflatten(auxes))
 
   def update_fn(grads, state, params=None, **extra_args):
     _check_state(owner, state, ConstrainedState)
@@ -207,34 +216,33 @@ def constrained(
     grad_leaves = layout.gradients(grads)
     auxes = layout.flatten(state.constraint_states, "state.constraint_states")
     layout.check_state(auxes)
-    free = [isinstance(c, Euclidean) for c in layout.constraints]
-    points = [None if f else c.point(p, aux) for f, c, p, aux in zip(free, layout.constraints, layout.compute, auxes)]
-    original_grads = layout.flatten(grads, "grads")
+    points = _points(layout, auxes)
     seen_grads = [
-      g0 if f else c.store_momentum(c.projected_gradient(q, g), p)
-      for f, c, q, g, g0, p in zip(free, layout.constraints, points, grad_leaves, original_grads, layout.compute)
-    ]
-    seen_params = [
-      p0 if f else _tangent(c, q, p, p)
-      for f, c, q, p, p0 in zip(free, layout.constraints, points, layout.compute, layout.params)
+      grad if q is None else c.store_momentum(c.projected_gradient(q, g), p)
+      for c, q, g, grad, p in zip(
+        layout.constraints, points, grad_leaves, layout.flatten(grads, "grads"), layout.compute
+      )
     ]
     inner_updates, inner_state = inner.update(
-      layout.unflatten(seen_grads), state.inner_state, layout.unflatten(seen_params), **extra_args
+      layout.unflatten(seen_grads), state.inner_state, _seen_params(layout, points), **extra_args
     )
-    update_leaves = layout.flatten(inner_updates, "the inner transformation's updates")
 
     updates, new_auxes = [], []
-    for f, c, q, u, p, p0, aux in zip(
-      free, layout.constraints, points, update_leaves, layout.compute, layout.params, auxes
+    for c, q, u, p, param, aux in zip(
+      layout.constraints,
+      points,
+      layout.flatten(inner_updates, "the inner transformation's updates"),
+      layout.compute,
+      layout.params,
+      auxes,
     ):
-      if f:
+      if q is None:  # free: inner's update as it is
         updates.append(u)
         new_auxes.append(aux)
         continue
       coordinates = c.load_momentum(jnp.asarray(u).astype(p.dtype))
-      moved = _retract(c, q, coordinates, _ambient_coordinates(c, q, p), retraction)
-      new_param, new_aux = c.unpack(moved, p)
-      updates.append((new_param - p).astype(p0.dtype))
+      new_param, new_aux = c.unpack(_retract(c, q, coordinates, _ambient_coordinates(c, q, p), retraction), p)
+      updates.append((new_param - p).astype(param.dtype))
       new_auxes.append(new_aux)
     return layout.unflatten(updates), ConstrainedState(inner_state, layout.unflatten(new_auxes))
 
