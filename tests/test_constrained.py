@@ -140,6 +140,7 @@ def test_large_adam_steps_stay_finite_and_on_the_manifold():
   assert (optimum + float(loss(params))) / optimum < 0.1  # and it still optimises
 
 
+@pytest.mark.slow  # two compilations of a three-constraint model; jit alone is in every other test
 def test_vmap_over_seeds_is_the_loop():
   spec = {"w": cola.Orthogonal(), "s": cola.Sphere(1.0), "b": None}
   a = jax.random.normal(jax.random.key(5), (8, 8))
@@ -194,6 +195,7 @@ def test_errors_name_the_problem():
     tx.update(w, optax.adam(1e-3).init(w), w)
 
 
+@pytest.mark.slow  # the state is a NamedTuple of the inner state and cola's: test_checkpoint.py covers both kinds
 def test_orbax_round_trip_resumes_the_same_run(tmp_path):
   ocp = pytest.importorskip("orbax.checkpoint")
   spec = {"w": cola.Orthogonal(), "c": cola.Circle(0.5), "b": None}
