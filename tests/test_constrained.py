@@ -238,9 +238,11 @@ def test_flax_train_state_and_nnx_optimizer_train_as_the_plain_loop():
   np.testing.assert_allclose(state.params["kernel"], reference["kernel"], atol=1e-6)
   assert max_residual(state.params, state.opt_state) <= 1e-6
 
-  model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
-  nnx.update(model, cola.project_params(nnx.as_pure(nnx.state(model, nnx.Param)), rules))
+  # nnx, with the constraint declared on the layer and read back by constraints_from.
+  declared = cola.with_constraint(nnx.initializers.lecun_normal(), cola.Orthogonal())
+  model = nnx.Linear(4, 4, kernel_init=declared, rngs=nnx.Rngs(0))
   start = nnx.as_pure(nnx.state(model, nnx.Param))
+  tx = cola.constrained(optax.adamw(0.02, weight_decay=1e-2), constraints=cola.constraints_from(nnx.state(model)))
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
   @nnx.jit
@@ -254,3 +256,5 @@ def test_flax_train_state_and_nnx_optimizer_train_as_the_plain_loop():
   trained = nnx.as_pure(nnx.state(model, nnx.Param))
   np.testing.assert_allclose(trained["kernel"], reference["kernel"], atol=1e-6)
   np.testing.assert_allclose(trained["bias"], reference["bias"], atol=1e-6)
+  np.testing.assert_allclose(trained["kernel"].T @ trained["kernel"], jnp.eye(4), atol=1e-6)
+  assert not np.allclose(trained["kernel"], start["kernel"])  # it trained
