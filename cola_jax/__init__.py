@@ -15,6 +15,7 @@ from cola_jax.alias import (
   orthogonal_constraints,
   sgd_momentum_to_langevin,
 )
+from cola_jax.constrained import ConstrainedState, constrained
 from cola_jax.constraints import (
   Box,
   BoxState,
@@ -45,6 +46,7 @@ __all__ = [
   "BoxState",
   "Circle",
   "CircleState",
+  "ConstrainedState",
   "Constraint",
   "Implicit",
   "ImplicitState",
@@ -63,6 +65,7 @@ __all__ = [
   "circle_constraints",
   "cola_od",
   "cola_ud",
+  "constrained",
   "constraint_residuals",
   "constraints_from",
   "langevin",

@@ -6,9 +6,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from cola_jax.constrained import ConstrainedState
 from cola_jax.transforms import OverdampedState, UnderdampedState
 
-_COLA_STATES = (OverdampedState, UnderdampedState)
+_COLA_STATES = (OverdampedState, UnderdampedState, ConstrainedState)
 
 
 def _cola_state(state):
@@ -23,7 +24,7 @@ def _cola_state(state):
   jax.tree.flatten(state, is_leaf=collect)
   if len(found) != 1:
     raise ValueError(
-      f"constraint_residuals: expected exactly one cola_od/cola_ud state inside "
+      f"constraint_residuals: expected exactly one cola_od/cola_ud/constrained state inside "
       f"the optimizer state, found {len(found)}."
     )
   return found[0]
@@ -42,7 +43,7 @@ def constraint_residuals(params: Any, state: Any) -> Any:
 
   Args:
     params: the parameters.
-    state: the state of a ``cola_od`` / ``cola_ud`` transform, or of any optax
+    state: the state of a ``cola_od`` / ``cola_ud`` / ``constrained`` transform, or of any optax
       transformation containing exactly one (a chain, ``inject_hyperparams``).
 
   Returns:

@@ -1,0 +1,62 @@
+"""``cola.constrained`` on an Equinox model: arrays filtered by ``eqx.is_array``, constraints by path rules.
+
+Equinox stores a Linear's weight as ``(out, in)``: a unit's incoming weights are
+a row, so per-unit constraints need ``axis=-1`` there (their default, every
+axis but the last, is Flax's ``(in, out)`` column).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import cola_jax as cola
+
+eqx = pytest.importorskip("equinox")
+
+
+def test_per_unit_constraints_need_axis_minus_one_in_equinox_layout():
+  weight = eqx.nn.Linear(5, 3, key=jax.random.key(0)).weight  # (out, in) = (3, 5)
+  rows = cola.project_params(weight, cola.UnitNorm(axis=-1))
+  np.testing.assert_allclose(jnp.linalg.norm(rows, axis=1), 1.0, rtol=1e-6)  # one norm per output unit
+  columns = cola.project_params(weight, cola.UnitNorm())  # the Flax default: each of the 5 inputs
+  np.testing.assert_allclose(jnp.linalg.norm(columns, axis=0), 1.0, rtol=1e-6)
+  assert not np.allclose(jnp.linalg.norm(columns, axis=1), 1.0)
+
+
+def test_mlp_trains_on_the_manifolds_chosen_by_equinox_paths():
+  model = eqx.nn.MLP(4, 2, 8, 2, activation=jnp.tanh, key=jax.random.key(1))
+  params, static = eqx.partition(model, eqx.is_array)
+  rules = cola.path_constraints(
+    [
+      (r"layers/0/weight$", cola.UnitNorm(axis=-1)),
+      (r"layers/1/weight$", cola.Orthogonal()),
+      (r"bias$", None),
+    ]
+  )
+  params = cola.project_params(params, rules)
+  x = jax.random.normal(jax.random.key(2), (32, 4))
+  y = jnp.stack([jnp.sin(x[:, 0]), x[:, 1] * x[:, 2]], axis=1)
+
+  def loss(params):
+    return jnp.mean((jax.vmap(eqx.combine(params, static))(x) - y) ** 2)
+
+  tx = cola.constrained(optax.adam(0.02), constraints=rules)
+  state = tx.init(params)
+
+  @eqx.filter_jit
+  def step(params, state):
+    updates, state = tx.update(jax.grad(loss)(params), state, params)
+    return eqx.apply_updates(params, updates), state
+
+  start_loss = float(loss(params))
+  for _ in range(60):
+    params, state = step(params, state)
+  assert float(loss(params)) < 0.5 * start_loss
+  first, second = params.layers[0].weight, params.layers[1].weight
+  np.testing.assert_allclose(jnp.linalg.norm(first, axis=-1), 1.0, atol=1e-6)
+  np.testing.assert_allclose(second.T @ second, jnp.eye(8), atol=1e-6)
+  residuals = cola.constraint_residuals(params, state)
+  assert residuals.layers[2].weight is None  # the last layer's weight is free
+  assert max(float(r) for r in jax.tree.leaves(residuals)) <= 1e-6
