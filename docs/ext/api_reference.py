@@ -13,6 +13,7 @@ MARKER = "{cola-api-reference}"
 GROUPS = {  # section title -> the modules (prefixes of ``__module__``) whose public names it shows
   "The paper's methods": ("cola_jax.alias",),
   "Constrained Langevin transforms": ("cola_jax.transforms",),
+  "Any optax optimizer on the manifold": ("cola_jax.constrained",),
   "Constraints": ("cola_jax.constraints",),
   "Declaring constraints on the model": ("cola_jax.declared", "cola_jax.path_rules"),
   "Initialisation and diagnostics": ("cola_jax.initialization", "cola_jax.diagnostics"),
