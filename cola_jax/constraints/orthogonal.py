@@ -61,7 +61,7 @@ import jax.numpy as jnp
 
 from cola_jax import _noise
 from cola_jax._hyperparameters import check_positive, check_positive_integer
-from cola_jax._numerics import explicit_sharding, power_of_two_scale
+from cola_jax._numerics import explicit_sharding, max_abs, power_of_two_scale
 from cola_jax.constraints import _axes, stiefel_projection
 from cola_jax.constraints.base import Constraint
 
@@ -130,7 +130,7 @@ def polar_factor(q: jax.Array) -> jax.Array:
   if replicated is not None:  # explicit sharding: the SVD needs the whole matrix
     q = jax.sharding.reshard(q, replicated)
   finite = jnp.all(jnp.isfinite(q))
-  scale = power_of_two_scale(jnp.max(jnp.abs(q)))
+  scale = power_of_two_scale(max_abs(q))
   # Eye in place of a non-finite matrix: the SVD always gets finite input.
   q = jnp.where(finite, q * scale, jnp.eye(*q.shape, dtype=q.dtype))
   u, _, vt = jnp.linalg.svd(q, full_matrices=False)
@@ -138,17 +138,32 @@ def polar_factor(q: jax.Array) -> jax.Array:
   return polar if replicated is None else jax.sharding.reshard(polar, sharding)
 
 
-def _polar_where(q: jax.Array, needed: jax.Array) -> jax.Array:
+def _polar_where(q: jax.Array, needed: jax.Array, moved: jax.Array | None = None) -> jax.Array:
   """``polar_factor(q)`` where ``needed``, else ``q``; costs nothing when not needed.
 
-  A ``lax.cond`` with a batched predicate becomes a select under ``vmap`` and
-  would run the SVD for every seed at every step; a while loop of at most one
-  iteration runs it only while some member of the batch needs it.
+  With ``moved`` (the unprojected point of a projection that ended as ``q``)
+  the polar factor is taken of :func:`_fallback_start`. A ``lax.cond`` with a
+  batched predicate becomes a select under ``vmap`` and would run the SVD for
+  every seed at every step; a while loop of at most one iteration runs it only
+  while some member of the batch needs it.
   """
+  start = (lambda q: q) if moved is None else (lambda q: _fallback_start(q, moved))
   q, _ = jax.lax.while_loop(
-    lambda carry: carry[1], lambda carry: (polar_factor(carry[0]), jnp.array(False)), (q, needed)
+    lambda carry: carry[1], lambda carry: (polar_factor(start(carry[0])), jnp.array(False)), (q, needed)
   )
   return q
+
+
+def _fallback_start(q: jax.Array, moved: jax.Array) -> jax.Array:
+  """The matrix whose polar factor ends an unconverged projection.
+
+  The last iterate where it is finite and within 1/2 of the manifold (the
+  iteration stalled near the root, whose polar factor it then approximates),
+  else the unprojected point ``Q_n + D`` (no root, divergence, non-finite
+  input). Only read where the projection did not converge.
+  """
+  near = max_abs(gram_defect(q)) <= 0.5  # NaN-safe: False for a non-finite q
+  return jnp.where(near, q, moved)
 
 
 _SOLVERS = {
@@ -180,7 +195,7 @@ class ProjectionInfo:
     """``max |Q^T Q - I|`` over the leaf's matrices, computed in at least float32."""
     dtype = jnp.promote_types(param.dtype, jnp.float32)
     q = tall_view(param.astype(dtype), self.row_axes, self.column_axes)
-    return jnp.max(jnp.abs(_each(gram_defect, q)))
+    return max_abs(_each(gram_defect, q))
 
 
 class StiefelPoint(NamedTuple):
@@ -331,7 +346,7 @@ class Orthogonal(Constraint):
     q = point.matrix
     # NaN and overflow count as off: the polar factor then shows them as NaN
     # (non-finite) or puts the parameter on the manifold (finite).
-    off = ~(jnp.max(jnp.abs(gram_defect(q))) <= self.reproject_above)
+    off = ~(max_abs(gram_defect(q)) <= self.reproject_above)
     return StiefelPoint(_polar_where(q, off), point.info)
 
   def unpack(self, point, param):
@@ -343,14 +358,32 @@ class Orthogonal(Constraint):
   def ambient_normal(self, key, point):
     return _noise.normal(key, point.matrix.shape, point.matrix.dtype, out_sharding=explicit_sharding(point.matrix))
 
+  def _has_root(self, q_n, moved):
+    """False where the step provably has no root along the normal space at ``Q_n`` (or is not finite).
+
+    A root ``Q`` has ``|A|_2 <= |Q_n|_2 |Q|_2`` (see
+    :func:`~cola_jax.constraints.stiefel_projection.tangential_norm_bound`);
+    the anchor's defect (at most ``reproject_above`` per entry) and the root's
+    (``tolerance``) enter that product through ``|Q|_2^2 <= 1 + s |Q^T Q - I|_max``.
+    """
+    s = q_n.shape[1]
+    bound = (1 + s * self.tolerance) * (1 + s * self.reproject_above)
+    return stiefel_projection.tangential_norm_bound(q_n, moved) ** 2 <= bound
+
   @_per_matrix(0)
   def project(self, anchor, step):
     moved = anchor.matrix + step
-    solve = _SOLVERS[self.projection]
-    q, k, converged = solve(anchor.matrix, moved, self.tolerance, self.max_iterations, norm="max")
-    # A diverged iteration is not finite: fall back from the unprojected point.
-    q = jnp.where(jnp.all(jnp.isfinite(q)), q, moved)
-    return StiefelPoint(_polar_where(q, ~converged), ProjectionInfo(k, converged))
+    solve = functools.partial(
+      _SOLVERS[self.projection], tolerance=self.tolerance, max_iterations=self.max_iterations, norm="max"
+    )
+    # The solver runs only where a root may exist: a while loop of at most one
+    # iteration (under vmap it runs once if any member needs it).
+    q, k, converged, _ = jax.lax.while_loop(
+      lambda carry: carry[3],
+      lambda carry: (*solve(anchor.matrix, moved), jnp.array(False)),
+      (moved, jnp.zeros((), jnp.int32), jnp.array(False), self._has_root(anchor.matrix, moved)),
+    )
+    return StiefelPoint(_polar_where(q, ~converged, moved), ProjectionInfo(k, converged))
 
   @_per_matrix(0)
   def cotangent(self, point, vector):
