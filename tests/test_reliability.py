@@ -104,15 +104,13 @@ def _check_tangential_sweep(solver, shape_name, method, sizes):
       assert np.abs(sym).max() <= 1e-4 * (1 + np.abs(p).max()), case
 
 
-@pytest.mark.parametrize("method", ["od", "ud"])
-@pytest.mark.parametrize("solver", SOLVERS)
-def test_square_tangential_steps_of_any_size_are_the_papers_point_or_flagged(solver, method):
-  _check_tangential_sweep(solver, "square", method, QUICK_SIZES)
+# The quick suite: each solver once, each shape once, both dynamics.
+QUICK_SWEEPS = [("quasi_newton", "square", "od"), ("newton", "square", "ud"), ("square_root", "wide", "od")]
 
 
-@pytest.mark.parametrize("shape_name", ["tall", "wide", "conv"])
-def test_non_square_tangential_steps_of_any_size_are_the_papers_point_or_flagged(shape_name):
-  _check_tangential_sweep("newton", shape_name, "ud", QUICK_SIZES)
+@pytest.mark.parametrize("solver, shape_name, method", QUICK_SWEEPS)
+def test_tangential_steps_of_any_size_are_the_papers_point_or_flagged(solver, shape_name, method):
+  _check_tangential_sweep(solver, shape_name, method, QUICK_SIZES)
 
 
 @pytest.mark.slow
@@ -125,7 +123,7 @@ def test_tangential_step_sweep(solver, shape_name, method):
 
 def test_tangential_norm_bound_is_a_lower_bound_that_detects_the_square_case():
   q_n, steps = _tangential_steps((16, 16), (0.5, 1.1, 3.0))
-  bounds = jax.vmap(lambda step: stiefel_projection.tangential_norm_bound(q_n, q_n + step))(steps)
+  bounds = jax.jit(jax.vmap(lambda step: stiefel_projection.tangential_norm_bound(q_n, q_n + step)))(steps)
   for bound, size in zip(np.asarray(bounds), (0.5, 1.1, 3.0)):
     assert 0.5 * size <= bound <= size * (1 + 1e-5)
   assert np.isnan(float(stiefel_projection.tangential_norm_bound(q_n, q_n.at[0, 0].set(np.nan))))
@@ -179,10 +177,33 @@ def _with_slack(aux, slack):
   return aux._replace(slack=slack) if hasattr(aux, "_replace") else dataclasses.replace(aux, slack=slack)
 
 
+# The quick suite: every constraint and every place once, jitted; -m slow: all, eager and jitted.
+QUICK_PLANTS = [
+  ("orthogonal", "param"),
+  ("orthogonal", "momentum"),
+  ("circle", "slack"),
+  ("non_negative", "grad"),
+  ("implicit", "grad"),
+  ("sphere", "momentum"),
+  ("unit_norm", "param"),
+  ("box", "slack"),
+]
+ALL_PLANTS = [(name, where) for name in sorted(PLANTED) for where in ("param", "grad", "momentum", "slack")]
+
+
+@pytest.mark.parametrize("name, where", QUICK_PLANTS)
+def test_planted_nan_and_inf_always_show(name, where):
+  _check_planted(name, where, jit=True)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("where", ["param", "grad", "momentum", "slack"])
-@pytest.mark.parametrize("name", sorted(PLANTED))
-def test_planted_nan_and_inf_always_show(name, where, jit):
+@pytest.mark.parametrize("name, where", ALL_PLANTS)
+def test_planted_nan_and_inf_always_show_everywhere(name, where, jit):
+  _check_planted(name, where, jit)
+
+
+def _check_planted(name, where, jit):
   constraint, start = PLANTED[name]
   params = {"w": jnp.asarray(start)}
   tx = cola.cola_ud(0.1, friction=1.0, constraints={"w": constraint})
@@ -190,6 +211,7 @@ def test_planted_nan_and_inf_always_show(name, where, jit):
   aux = state.constraint_states["w"]
   if where == "slack" and getattr(aux, "slack", jnp.zeros(0)).size == 0:
     pytest.skip(f"{name} has no slack")
+  update = jax.jit(tx.update) if jit else tx.update
   for value in (np.nan, np.inf):
     grads = {"w": jnp.full_like(params["w"], 0.1)}
     bad_params, bad_state = params, state
@@ -201,7 +223,7 @@ def test_planted_nan_and_inf_always_show(name, where, jit):
       bad_state = state._replace(momentum=_plant(state.momentum, value))
     else:
       bad_state = state._replace(constraint_states={"w": _with_slack(aux, _plant(aux.slack, value))})
-    updates, new_state = (jax.jit(tx.update) if jit else tx.update)(grads, bad_state, bad_params)
+    updates, new_state = update(grads, bad_state, bad_params)
     new_params = optax.apply_updates(bad_params, updates)
     assert _shows(new_params, new_state, repaired_is_fine=where == "slack"), (name, where, value)
 

@@ -27,13 +27,24 @@ of the step, so a fixed iteration count has no error bound. Two faster solvers
 of the same equation (same multiplier, same point, same dynamics) are options
 (``projection=``, see :mod:`cola_jax.constraints.stiefel_projection`): Newton's
 method for ``Lambda`` and a closed-form square root, both working on ``s x s``
-matrices. A step that does not converge is flagged in the leaf's
-:class:`ProjectionInfo` and finished with the polar projection (the nearest
-orthonormal matrix), so the constraint holds after every update.
+matrices. ``ProjectionInfo.converged`` is a promise: True means the point is
+that root, with ``max |Q^T Q - I| <= tolerance`` (checked NaN-safely, see
+:func:`~cola_jax._numerics.max_abs`). A step that does not converge is flagged
+and finished with the polar projection (the nearest orthonormal matrix), so
+the constraint holds after every update, and the RATTLE momentum is made
+cotangent at the point reached.
+
+No root. The multiplier leaves the skew part ``A`` of ``Q_n^T Q_bar``
+unchanged and ``|Q_n^T Q|_2 <= 1`` on the manifold, so a step with
+``|A|_2 > 1`` (a large tangential move, for any shape) has no root. A cheap
+lower bound of ``|A|_2`` skips the solver for such steps (flagged at once);
+near the limit the solvers slow down and are flagged when they run out of
+iterations. Smaller steps (``h``) or gradient clipping avoid both.
 
 Extreme input. Steps of any finite size end on the manifold or flagged: a
 projection that diverges is replaced by the polar factor of the unprojected
-point, computed after an exact power-of-two scaling (``polar(c Q) =
+point (of the last iterate if it stalled within 1/2 of the manifold),
+computed after an exact power-of-two scaling (``polar(c Q) =
 polar(Q)``), so entries from ``1e-30`` to ``3e38`` are fine. An ``inf`` or NaN
 in the gradient or the parameter gives a leaf of NaN with
 ``ProjectionInfo.converged`` False, without calling the SVD (LAPACK's would
