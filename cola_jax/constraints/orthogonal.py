@@ -197,8 +197,10 @@ class ProjectionInfo:
   view, so that the residual can form its matrices.
   """
 
-  iterations: jax.Array  # quasi-Newton iterations used
-  converged: jax.Array  # False: the tolerance was not met and the polar factor was used
+  iterations: jax.Array  # solver iterations used (0: the step has no root, detected before iterating)
+  # True: the point is the root along the start's normal space, max |Q^T Q - I| <= tolerance.
+  # False: no root, not reached in max_iterations, or non-finite; the polar factor was used.
+  converged: jax.Array
   row_axes: tuple[int, ...] | None = None
   column_axes: tuple[int, ...] | None = None
 
