@@ -68,6 +68,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from cola_jax._numerics import explicit_sharding, max_abs
 
@@ -148,20 +149,23 @@ def _finish(q_n, q, tolerance, max_iterations, norm, used):
 def tangential_norm_bound(q_n, q_bar):
   r"""A lower bound of ``|A|_2``, ``A = skew(Q_n^T Q_bar)``: the step has no root if it exceeds 1.
 
-  With ``x`` the largest column of ``A``, the bound is
-  ``max(|x|, |A x| / |x|)``: both are Rayleigh quotients of ``A^T A`` (the
-  second, one power step from the first, is the larger by Cauchy-Schwarz).
-  Costs one ``(r, s)`` product (``C``) and ``O(s^2)``. NaN or ``inf`` in the
-  input gives a non-finite bound.
+  Two power steps from a fixed probe ``v``: the bound is
+  ``max(|A v| / |v|, |A^2 v| / |A v|)`` (the second, a Rayleigh quotient of
+  ``A^T A`` one step further, is the larger by Cauchy-Schwarz). ``A`` is
+  applied as ``(Q_n^T (Q_bar x) - Q_bar^T (Q_n x)) / 2``: eight matrix-vector
+  products, ``O(r s)``, negligible beside a projection's ``O(r s^2)``. NaN or
+  ``inf`` in the input gives a non-finite bound.
   """
-  c = gram(q_n, q_bar)
-  a = 0.5 * (c - c.T)
-  column_norms2 = jnp.sum(a * a, axis=0)
-  largest = jnp.argmax(column_norms2)
-  x = a[:, largest]
-  x2 = column_norms2[largest]
-  ax2 = jnp.sum(jnp.square(_mm(a, x)))
-  return jnp.sqrt(jnp.maximum(x2, ax2 / jnp.where(x2 > 0, x2, 1)))
+  s = q_n.shape[1]
+  probe = jnp.asarray(np.random.default_rng(0).standard_normal((s, 1)), q_n.dtype)
+
+  def apply_a(x):
+    return 0.5 * (gram(q_n, _mm(q_bar, x)) - gram(q_bar, _mm(q_n, x)))
+
+  av = apply_a(probe)
+  aav = apply_a(av)
+  v2, av2, aav2 = (jnp.sum(x * x) for x in (probe, av, aav))
+  return jnp.sqrt(jnp.maximum(av2 / v2, aav2 / jnp.where(av2 > 0, av2, 1)))
 
 
 def quasi_newton_projection(q_n, q_bar, tolerance=1e-5, max_iterations=100, norm="fro"):
