@@ -183,6 +183,22 @@ def sincos(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return sincos_of_quarter_turns(jnp.where(large, y_large, y), jnp.where(large, quadrant_large, quadrant))
 
 
+def max_abs(x: jax.Array, axis=None, keepdims: bool = False) -> jax.Array:
+  """``max |x|`` over ``axis`` (all axes by default; 0 for no entries), ``inf`` wherever an entry is NaN.
+
+  XLA:CPU's vectorised ``max`` reduction drops NaN (jax 0.10: ``jnp.max`` of a
+  2-D float32 array with NaN entries returns the largest other entry, or
+  ``-inf`` if all are NaN), so a check ``jnp.max(jnp.abs(defect)) <= tol``
+  would pass a diverged, all-NaN iterate. Here NaN entries enter the
+  reduction as ``inf``: one fused pass, as cheap as the plain maximum, after
+  which every check ``max_abs(x) <= bound`` fails for non-finite input on
+  every backend. Every decision and every residual in the library that
+  reduces floats with a maximum goes through this function.
+  """
+  magnitude = jnp.abs(x)
+  return jnp.max(jnp.where(jnp.isnan(x), jnp.inf, magnitude), axis=axis, keepdims=keepdims, initial=0)
+
+
 def with_sincos(fn, x: jax.Array, *operands):
   """``fn(sincos, x, *operands)``, evaluated with :func:`sincos_fast` whenever it is exact.
 
@@ -193,7 +209,7 @@ def with_sincos(fn, x: jax.Array, *operands):
   """
   if x.dtype != jnp.float32:
     return fn(sincos, x, *operands)
-  needed = ~(jnp.max(jnp.abs(x), initial=0.0) < FAST_SINCOS_LIMIT)
+  needed = ~(max_abs(x) < FAST_SINCOS_LIMIT)
   result, _ = jax.lax.while_loop(
     lambda carry: carry[1],
     lambda carry: (fn(sincos, x, *operands), jnp.array(False)),

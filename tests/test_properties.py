@@ -3,8 +3,10 @@
 For every constraint of the registry, both dynamics and both splittings,
 hypothesis draws a leaf (zero-size, wide, tall, N-d kernels), a dtype
 (float16, bfloat16, float32, float64), hyperparameters and gradients from
-1e-30 to 1e30, inf and NaN. After two updates each leaf must keep its shape and
-dtype and be on its manifold to the dtype's tolerance, or the step is flagged
+1e-30 to 1e30 (random signs, Gaussian, or rank one: a large tangential step
+on a matrix manifold, where a projection may have no root), inf and NaN.
+After two updates each leaf must keep its shape and dtype and be on its
+manifold to the dtype's tolerance, or the step is flagged
 (``ProjectionInfo.converged`` / ``ImplicitState.converged`` False), or a NaN
 shows in the parameter or its residual.
 
@@ -66,7 +68,9 @@ SHAPES = [(), (5,), (0, 3), (3, 0), (1, 1), (6, 2), (2, 5), (4, 4), (2, 2, 3), (
 QUICK_SHAPES = [(6, 2), (2, 5), (2, 2, 3), (3, 3), (0, 3), (5,)]
 DTYPES = ["float32", "float16", "bfloat16", "float64"]
 # Gradient scales, and the special values that may replace one entry.
-SCALES = [1e-30, 1e-10, 1e-3, 1.0, 1e3, 1e10, 1e19, 1e30]
+SCALES = [1e-30, 1e-10, 1e-3, 0.3, 1.0, 3.0, 30.0, 1e3, 1e10, 1e19, 1e30]
+# How the gradient's entries are drawn before scaling to a largest entry of 1.
+PATTERNS = ["sign", "normal", "rank_one"]
 SPECIALS = [None, 0.0, float("inf"), -float("inf"), float("nan")]
 
 # Tolerance on the residual after an update, by parameter dtype: a leaf is
@@ -107,6 +111,7 @@ def problems(draw, layouts):
     layout=layout,
     seed=draw(st.integers(0, 2**16)),
     scales=[draw(st.sampled_from(SCALES)) for _ in layout],
+    patterns=[draw(st.sampled_from(PATTERNS)) for _ in layout],
     specials=[draw(st.sampled_from(SPECIALS)) for _ in layout],
     h=draw(st.sampled_from([1e-4, 1e-2, 0.1, 0.3, 1.0])),
     tau=draw(st.sampled_from([0.0, 1e-6, 1e-3, 1.0])),
@@ -141,11 +146,23 @@ def _flagged(states, name) -> bool:
   return converged is not None and not bool(jnp.all(converged))
 
 
+def _pattern(rng, pattern, shape):
+  """Gradient entries with a largest magnitude of 1 (0 for no entries)."""
+  if pattern == "sign":
+    return np.sign(rng.standard_normal(shape))
+  if pattern == "normal" or len(shape) < 2:
+    g = rng.standard_normal(shape)
+  else:
+    g = np.multiply.outer(rng.standard_normal(shape[:-1]), rng.standard_normal(shape[-1]))
+  return g / max(np.abs(g).max(initial=0.0), 1e-30)
+
+
 def check_method(method, constraint_name, problem):
   rng = np.random.default_rng(problem["seed"])
   params, grads = {"b": jnp.zeros(3)}, {"b": jnp.ones(3)}
-  for i, ((shape, dtype), scale, special) in enumerate(zip(problem["layout"], problem["scales"], problem["specials"])):
-    grad = np.sign(rng.standard_normal(shape)) * scale
+  drawn = zip(problem["layout"], problem["scales"], problem["patterns"], problem["specials"])
+  for i, ((shape, dtype), scale, pattern, special) in enumerate(drawn):
+    grad = _pattern(rng, pattern, shape) * scale
     if special is not None and grad.size:
       grad.flat[rng.integers(grad.size)] = special
     params[f"w{i}"] = jnp.asarray(0.3 * rng.standard_normal(shape), dtype)
@@ -168,7 +185,7 @@ def check_method(method, constraint_name, problem):
     assert on_manifold or _flagged(states, name) or visible_nan, (
       f"{method} with {constraint_name}: residual {float(residual):.3g} after a silent step "
       f"(leaf {shape} {dtype}, h={problem['h']}, tau={problem['tau']}, gamma={problem['gamma']}, "
-      f"|grad| = {problem['scales'][i]:.3g}, special entry {problem['specials'][i]})"
+      f"|grad| = {problem['scales'][i]:.3g} ({problem['patterns'][i]}), special entry {problem['specials'][i]})"
     )
 
 

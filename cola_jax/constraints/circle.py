@@ -47,6 +47,7 @@ from cola_jax._numerics import (
   computed_together,
   explicit_sharding,
   inverse_sqrt,
+  max_abs,
   power_of_two_scale,
   sincos_fast,
 )
@@ -64,8 +65,8 @@ class CircleState(NamedTuple):
     dtype = jnp.promote_types(param.dtype, jnp.float32)  # float64 stays float64
     theta = param.astype(dtype)
     r = self.radius.astype(dtype)
-    on_circle = jnp.max(jnp.abs(theta**2 + self.slack.astype(dtype) ** 2 - r**2)) / r**2
-    outside = jnp.max(jnp.maximum(jnp.abs(theta) - r, 0.0)) / r
+    on_circle = max_abs(theta**2 + self.slack.astype(dtype) ** 2 - r**2) / r**2
+    outside = max_abs(jnp.maximum(jnp.abs(theta) - r, 0.0)) / r
     return jnp.maximum(on_circle, outside)
 
 

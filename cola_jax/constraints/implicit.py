@@ -126,6 +126,7 @@ import numpy as np
 
 from cola_jax import _noise
 from cola_jax._hyperparameters import check_positive, check_positive_integer
+from cola_jax._numerics import max_abs
 from cola_jax.constraints import _axes
 from cola_jax.constraints._unit_layout import UnitLayout
 from cola_jax.constraints.base import Constraint
@@ -154,7 +155,7 @@ class ImplicitState:
     dtype = jnp.promote_types(param.dtype, jnp.float32)  # float64 stays float64
     x = param.astype(dtype)
     geometry = self.constraint._geometry(x.shape)
-    return jnp.max(jnp.abs(geometry.values(x, geometry.slack_matrix(self.slack.astype(dtype)))))
+    return max_abs(geometry.values(x, geometry.slack_matrix(self.slack.astype(dtype))))
 
 
 class ImplicitPoint(NamedTuple):
@@ -224,7 +225,7 @@ class _Geometry:
 
   def worst(self, values):
     """``max_i |g_i|`` per unit."""
-    return jnp.max(jnp.abs(values), axis=-1)
+    return max_abs(values, axis=-1)
 
   def finite(self, vx, vs):
     """Per unit: whether every entry of ``(vx, vs)`` is finite."""

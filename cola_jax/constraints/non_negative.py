@@ -94,7 +94,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cola_jax import _noise
-from cola_jax._numerics import computed_together, explicit_sharding, inverse_sqrt
+from cola_jax._numerics import computed_together, explicit_sharding, inverse_sqrt, max_abs
 from cola_jax.constraints.base import Constraint
 
 # Newton iterations of the projection after its start (see the module docstring).
@@ -111,8 +111,8 @@ class NonNegativeState(NamedTuple):
     dtype = jnp.promote_types(param.dtype, jnp.float32)  # float64 stays float64
     w = param.astype(dtype)
     s = self.slack.astype(dtype)
-    on_parabola = jnp.max(jnp.abs(w - s * s) / jnp.maximum(jnp.abs(w), 1), initial=0.0)
-    below = jnp.max(jnp.maximum(-w, 0), initial=0.0)
+    on_parabola = max_abs((w - s * s) / jnp.maximum(jnp.abs(w), 1))
+    below = max_abs(jnp.maximum(-w, 0))
     return jnp.maximum(on_parabola, below)
 
 
@@ -245,7 +245,8 @@ class NonNegative(Constraint):
     p_s = v * inverse  # p = v (2 s, 1) / n
     p_w = 2 * (s * inverse) * v
     kappa = 8 * h * (s * inverse) * p_s * inverse
-    solvable = ~(kappa < -1)  # NaN passes, and shows
+    # NaN and -inf (an infinite momentum, not a step to reject) pass, and show.
+    solvable = ~((kappa < -1) & (kappa > -jnp.inf))
     rho = jnp.sqrt(jnp.maximum(1 + kappa, 0))
     eta = 2 * p_s * inverse / (1 + rho)
     mu = h * eta * eta

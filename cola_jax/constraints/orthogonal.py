@@ -27,13 +27,24 @@ of the step, so a fixed iteration count has no error bound. Two faster solvers
 of the same equation (same multiplier, same point, same dynamics) are options
 (``projection=``, see :mod:`cola_jax.constraints.stiefel_projection`): Newton's
 method for ``Lambda`` and a closed-form square root, both working on ``s x s``
-matrices. A step that does not converge is flagged in the leaf's
-:class:`ProjectionInfo` and finished with the polar projection (the nearest
-orthonormal matrix), so the constraint holds after every update.
+matrices. ``ProjectionInfo.converged`` is a promise: True means the point is
+that root, with ``max |Q^T Q - I| <= tolerance`` (checked NaN-safely, see
+:func:`~cola_jax._numerics.max_abs`). A step that does not converge is flagged
+and finished with the polar projection (the nearest orthonormal matrix), so
+the constraint holds after every update, and the RATTLE momentum is made
+cotangent at the point reached.
+
+No root. The multiplier leaves the skew part ``A`` of ``Q_n^T Q_bar``
+unchanged and ``|Q_n^T Q|_2 <= 1`` on the manifold, so a step with
+``|A|_2 > 1`` (a large tangential move, for any shape) has no root. A cheap
+lower bound of ``|A|_2`` skips the solver for such steps (flagged at once);
+near the limit the solvers slow down and are flagged when they run out of
+iterations. Smaller steps (``h``) or gradient clipping avoid both.
 
 Extreme input. Steps of any finite size end on the manifold or flagged: a
 projection that diverges is replaced by the polar factor of the unprojected
-point, computed after an exact power-of-two scaling (``polar(c Q) =
+point (of the last iterate if it stalled within 1/2 of the manifold),
+computed after an exact power-of-two scaling (``polar(c Q) =
 polar(Q)``), so entries from ``1e-30`` to ``3e38`` are fine. An ``inf`` or NaN
 in the gradient or the parameter gives a leaf of NaN with
 ``ProjectionInfo.converged`` False, without calling the SVD (LAPACK's would
@@ -61,7 +72,7 @@ import jax.numpy as jnp
 
 from cola_jax import _noise
 from cola_jax._hyperparameters import check_positive, check_positive_integer
-from cola_jax._numerics import explicit_sharding, power_of_two_scale
+from cola_jax._numerics import explicit_sharding, max_abs, power_of_two_scale
 from cola_jax.constraints import _axes, stiefel_projection
 from cola_jax.constraints.base import Constraint
 
@@ -130,7 +141,7 @@ def polar_factor(q: jax.Array) -> jax.Array:
   if replicated is not None:  # explicit sharding: the SVD needs the whole matrix
     q = jax.sharding.reshard(q, replicated)
   finite = jnp.all(jnp.isfinite(q))
-  scale = power_of_two_scale(jnp.max(jnp.abs(q)))
+  scale = power_of_two_scale(max_abs(q))
   # Eye in place of a non-finite matrix: the SVD always gets finite input.
   q = jnp.where(finite, q * scale, jnp.eye(*q.shape, dtype=q.dtype))
   u, _, vt = jnp.linalg.svd(q, full_matrices=False)
@@ -138,17 +149,32 @@ def polar_factor(q: jax.Array) -> jax.Array:
   return polar if replicated is None else jax.sharding.reshard(polar, sharding)
 
 
-def _polar_where(q: jax.Array, needed: jax.Array) -> jax.Array:
+def _polar_where(q: jax.Array, needed: jax.Array, moved: jax.Array | None = None) -> jax.Array:
   """``polar_factor(q)`` where ``needed``, else ``q``; costs nothing when not needed.
 
-  A ``lax.cond`` with a batched predicate becomes a select under ``vmap`` and
-  would run the SVD for every seed at every step; a while loop of at most one
-  iteration runs it only while some member of the batch needs it.
+  With ``moved`` (the unprojected point of a projection that ended as ``q``)
+  the polar factor is taken of :func:`_fallback_start`. A ``lax.cond`` with a
+  batched predicate becomes a select under ``vmap`` and would run the SVD for
+  every seed at every step; a while loop of at most one iteration runs it only
+  while some member of the batch needs it.
   """
+  start = (lambda q: q) if moved is None else (lambda q: _fallback_start(q, moved))
   q, _ = jax.lax.while_loop(
-    lambda carry: carry[1], lambda carry: (polar_factor(carry[0]), jnp.array(False)), (q, needed)
+    lambda carry: carry[1], lambda carry: (polar_factor(start(carry[0])), jnp.array(False)), (q, needed)
   )
   return q
+
+
+def _fallback_start(q: jax.Array, moved: jax.Array) -> jax.Array:
+  """The matrix whose polar factor ends an unconverged projection.
+
+  The last iterate where it is finite and within 1/2 of the manifold (the
+  iteration stalled near the root, whose polar factor it then approximates),
+  else the unprojected point ``Q_n + D`` (no root, divergence, non-finite
+  input). Only read where the projection did not converge.
+  """
+  near = max_abs(gram_defect(q)) <= 0.5  # NaN-safe: False for a non-finite q
+  return jnp.where(near, q, moved)
 
 
 _SOLVERS = {
@@ -171,8 +197,10 @@ class ProjectionInfo:
   view, so that the residual can form its matrices.
   """
 
-  iterations: jax.Array  # quasi-Newton iterations used
-  converged: jax.Array  # False: the tolerance was not met and the polar factor was used
+  iterations: jax.Array  # solver iterations used (0: the step has no root, detected before iterating)
+  # True: the point is the root along the start's normal space, max |Q^T Q - I| <= tolerance.
+  # False: no root, not reached in max_iterations, or non-finite; the polar factor was used.
+  converged: jax.Array
   row_axes: tuple[int, ...] | None = None
   column_axes: tuple[int, ...] | None = None
 
@@ -180,7 +208,7 @@ class ProjectionInfo:
     """``max |Q^T Q - I|`` over the leaf's matrices, computed in at least float32."""
     dtype = jnp.promote_types(param.dtype, jnp.float32)
     q = tall_view(param.astype(dtype), self.row_axes, self.column_axes)
-    return jnp.max(jnp.abs(_each(gram_defect, q)))
+    return max_abs(_each(gram_defect, q))
 
 
 class StiefelPoint(NamedTuple):
@@ -331,7 +359,7 @@ class Orthogonal(Constraint):
     q = point.matrix
     # NaN and overflow count as off: the polar factor then shows them as NaN
     # (non-finite) or puts the parameter on the manifold (finite).
-    off = ~(jnp.max(jnp.abs(gram_defect(q))) <= self.reproject_above)
+    off = ~(max_abs(gram_defect(q)) <= self.reproject_above)
     return StiefelPoint(_polar_where(q, off), point.info)
 
   def unpack(self, point, param):
@@ -343,14 +371,32 @@ class Orthogonal(Constraint):
   def ambient_normal(self, key, point):
     return _noise.normal(key, point.matrix.shape, point.matrix.dtype, out_sharding=explicit_sharding(point.matrix))
 
+  def _has_root(self, q_n, moved):
+    """False where the step provably has no root along the normal space at ``Q_n`` (or is not finite).
+
+    A root ``Q`` has ``|A|_2 <= |Q_n|_2 |Q|_2`` (see
+    :func:`~cola_jax.constraints.stiefel_projection.tangential_norm_bound`);
+    the anchor's defect (at most ``reproject_above`` per entry) and the root's
+    (``tolerance``) enter that product through ``|Q|_2^2 <= 1 + s |Q^T Q - I|_max``.
+    """
+    s = q_n.shape[1]
+    bound = (1 + s * self.tolerance) * (1 + s * self.reproject_above)
+    return stiefel_projection.tangential_norm_bound(q_n, moved) ** 2 <= bound
+
   @_per_matrix(0)
   def project(self, anchor, step):
     moved = anchor.matrix + step
-    solve = _SOLVERS[self.projection]
-    q, k, converged = solve(anchor.matrix, moved, self.tolerance, self.max_iterations, norm="max")
-    # A diverged iteration is not finite: fall back from the unprojected point.
-    q = jnp.where(jnp.all(jnp.isfinite(q)), q, moved)
-    return StiefelPoint(_polar_where(q, ~converged), ProjectionInfo(k, converged))
+    solve = functools.partial(
+      _SOLVERS[self.projection], tolerance=self.tolerance, max_iterations=self.max_iterations, norm="max"
+    )
+    # The solver runs only where a root may exist: a while loop of at most one
+    # iteration (under vmap it runs once if any member needs it).
+    q, k, converged, _ = jax.lax.while_loop(
+      lambda carry: carry[3],
+      lambda carry: (*solve(anchor.matrix, moved), jnp.array(False)),
+      (moved, jnp.zeros((), jnp.int32), jnp.array(False), self._has_root(anchor.matrix, moved)),
+    )
+    return StiefelPoint(_polar_where(q, ~converged, moved), ProjectionInfo(k, converged))
 
   @_per_matrix(0)
   def cotangent(self, point, vector):

@@ -76,6 +76,7 @@ from cola_jax._hyperparameters import check_positive
 from cola_jax._numerics import (
   explicit_sharding,
   inverse_sqrt,
+  max_abs,
   power_of_two_scale,
   with_sincos,
 )
@@ -105,8 +106,8 @@ class SphereState(NamedTuple):
     # of size 1 in both changes nothing).
     axes = tuple(i for i, size in enumerate(xi.shape) if size == 1)
     norm2 = jnp.sum(w * w, axis=axes, keepdims=True)
-    on_sphere = jnp.max(jnp.abs(norm2 + xi * xi - r * r)) / (r * r)
-    outside = jnp.max(jnp.maximum(jnp.sqrt(norm2) - r, 0.0)) / r
+    on_sphere = max_abs(norm2 + xi * xi - r * r) / (r * r)
+    outside = max_abs(jnp.maximum(jnp.sqrt(norm2) - r, 0.0)) / r
     return jnp.maximum(on_sphere, outside)
 
 
@@ -201,7 +202,7 @@ class Sphere(Constraint):
 
   def _unit_max(self, x):
     """Per-unit ``max |x_i|``, reduced axes kept with size 1."""
-    return jnp.max(jnp.abs(x), axis=self._axes(x.ndim), keepdims=True)
+    return max_abs(x, axis=self._axes(x.ndim), keepdims=True)
 
   def init(self, param):
     r = jnp.asarray(self.radius, param.dtype)

@@ -50,18 +50,27 @@ unknown: ``(S - A)(S + A) = K``.
 
 Each returns :class:`Projection`: the point, the iterations used and whether
 the defect ``|Q^T Q - I|`` (Frobenius norm, or the largest entry with
-``norm='max'``) met the tolerance. None of them falls back on its own: a
-caller that needs the constraint to hold takes the polar factor when
-``converged`` is False, and guards against non-finite output (all three
-diverge when the tangential step's spectral norm approaches 1).
+``norm='max'``) met the tolerance, measured on the returned matrix with
+:func:`~cola_jax._numerics.max_abs` (NaN-safe), so ``converged`` is False for
+any non-finite result; loops stop as soon as an iterate is not finite. None of
+them falls back on its own: a caller that needs the constraint to hold takes
+the polar factor when ``converged`` is False.
+
+When there is no root. ``X = Q_n^T Q`` has spectral norm at most
+``|Q_n|_2 |Q|_2 = 1``, and so has its skew part ``A``, which the multiplier
+does not change: a step with ``|A|_2 > 1`` has no point of the manifold along
+the normal space at ``Q_n`` (for any shape; all three solvers then diverge or
+stall). :func:`tangential_norm_bound` gives a cheap lower bound of ``|A|_2``
+to detect it before iterating.
 """
 
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from cola_jax._numerics import explicit_sharding
+from cola_jax._numerics import explicit_sharding, max_abs
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -98,8 +107,17 @@ def _size(m, norm):
   if norm == "fro":
     return jnp.sqrt(jnp.sum(m * m))
   if norm == "max":
-    return jnp.max(jnp.abs(m))
+    return max_abs(m)
   raise ValueError(f"norm must be 'fro' or 'max', got {norm!r}")
+
+
+def _pending(size, bound, k, max_iterations):
+  """Whether a loop goes on: ``size`` above ``bound`` and finite, fewer than ``max_iterations`` done.
+
+  A diverged iterate (``inf`` or NaN, which :func:`_size` reports as ``inf``)
+  stops the loop at once; the caller's final check flags it.
+  """
+  return (size > bound) & jnp.isfinite(size) & (k < max_iterations)
 
 
 def _sym(m):
@@ -117,7 +135,7 @@ def _finish(q_n, q, tolerance, max_iterations, norm, used):
 
   def not_done(carry):
     _, f, k = carry
-    return (_size(f, norm) > tolerance) & (k < max_iterations)
+    return _pending(_size(f, norm), tolerance, k, max_iterations)
 
   def step(carry):
     q, f, k = carry
@@ -126,6 +144,28 @@ def _finish(q_n, q, tolerance, max_iterations, norm, used):
 
   q, f, k = jax.lax.while_loop(not_done, step, (q, gram(q, q) - eye, used))
   return Projection(q, k, _size(f, norm) <= tolerance)
+
+
+def tangential_norm_bound(q_n, q_bar):
+  r"""A lower bound of ``|A|_2``, ``A = skew(Q_n^T Q_bar)``: the step has no root if it exceeds 1.
+
+  Two power steps from a fixed probe ``v``: the bound is
+  ``max(|A v| / |v|, |A^2 v| / |A v|)`` (the second, a Rayleigh quotient of
+  ``A^T A`` one step further, is the larger by Cauchy-Schwarz). ``A`` is
+  applied as ``(Q_n^T (Q_bar x) - Q_bar^T (Q_n x)) / 2``: eight matrix-vector
+  products, ``O(r s)``, negligible beside a projection's ``O(r s^2)``. NaN or
+  ``inf`` in the input gives a non-finite bound.
+  """
+  s = q_n.shape[1]
+  probe = jnp.asarray(np.random.default_rng(0).standard_normal((s, 1)), q_n.dtype)
+
+  def apply_a(x):
+    return 0.5 * (gram(q_n, _mm(q_bar, x)) - gram(q_bar, _mm(q_n, x)))
+
+  av = apply_a(probe)
+  aav = apply_a(av)
+  v2, av2, aav2 = (jnp.sum(x * x) for x in (probe, av, aav))
+  return jnp.sqrt(jnp.maximum(av2 / v2, aav2 / jnp.where(av2 > 0, av2, 1)))
 
 
 def quasi_newton_projection(q_n, q_bar, tolerance=1e-5, max_iterations=100, norm="fro"):
@@ -181,7 +221,7 @@ def newton_multiplier_projection(q_n, q_bar, tolerance=1e-5, max_iterations=100,
 
   def not_done(carry):
     _, f, k = carry
-    return (_size(f, norm) > tolerance / 2) & (k < max_iterations)
+    return _pending(_size(f, norm), tolerance / 2, k, max_iterations)
 
   def newton(carry):
     x, f, k = carry
@@ -214,7 +254,7 @@ def square_root_projection(q_n, q_bar, tolerance=1e-5, max_iterations=100, norm=
   def more_terms(carry):
     _, _, size, ratio, k = carry
     tail = jnp.where(ratio < 1, size * ratio / (1 - ratio), jnp.inf)
-    return (tail > tolerance / 8) & (k < max_iterations)
+    return (tail > tolerance / 8) & jnp.isfinite(size) & (k < max_iterations)
 
   def add_term(carry):
     s, term, size, _, k = carry
@@ -231,7 +271,7 @@ def square_root_projection(q_n, q_bar, tolerance=1e-5, max_iterations=100, norm=
 
     def not_done(carry):
       _, f, k = carry
-      return (_size(f, norm) > tolerance / 2) & (k < max_iterations)
+      return _pending(_size(f, norm), tolerance / 2, k, max_iterations)
 
     def chord(carry):
       s, f, k = carry

@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 
 from cola_jax import _noise
-from cola_jax._numerics import concrete_float, explicit_sharding
+from cola_jax._numerics import concrete_float, explicit_sharding, max_abs
 from cola_jax.constraints.base import Constraint
 from cola_jax.constraints.sphere import Sphere, _check_axis, _normalize_axis
 
@@ -71,7 +71,7 @@ class UnitNormState:
     w = param.astype(dtype)
     r = self.radius.astype(dtype)
     norm2 = jnp.sum(w * w, axis=self.axes)
-    return jnp.max(jnp.abs(norm2 - r * r), initial=0.0) / (r * r)
+    return max_abs(norm2 - r * r) / (r * r)
 
 
 @dataclasses.dataclass(frozen=True)
