@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from cola_jax._numerics import power_of_two_scale
+from cola_jax._numerics import max_abs, power_of_two_scale
 from cola_jax._tree import ConstraintSpec, LeafLayout
 from cola_jax.constraints.base import Constraint, Euclidean
 from cola_jax.constraints.orthogonal import Orthogonal, ProjectionInfo, StiefelPoint
@@ -61,7 +61,7 @@ def _polar_of_tangent_step(m: jax.Array) -> jax.Array:
   gives NaN without calling ``eigh``.
   """
   finite = jnp.all(jnp.isfinite(m))
-  m = jnp.where(finite, m * power_of_two_scale(jnp.max(jnp.abs(m))), jnp.eye(*m.shape, dtype=m.dtype))
+  m = jnp.where(finite, m * power_of_two_scale(max_abs(m)), jnp.eye(*m.shape, dtype=m.dtype))
   eigenvalues, vectors = jnp.linalg.eigh(gram(m, m))
   inverse_sqrt = jax.lax.rsqrt(jnp.maximum(eigenvalues, jnp.finfo(m.dtype).tiny))
   root = jnp.matmul(vectors * inverse_sqrt, vectors.T, precision=_HIGHEST)
