@@ -81,14 +81,15 @@ def tree_bytes(tree) -> int:
 
 def compile_cost(jitted, *args) -> tuple[object, dict]:
   """``jitted.lower(*args).compile()`` and what it cost: ``lower_s``, ``compile_s`` (seconds, wall
-  clock) and XLA's ``memory_analysis()`` in bytes (``argument``, ``output``, ``alias``, ``temp``;
-  None where the backend reports none)."""
-  t0 = time.perf_counter()
+  clock), ``lower_cpu_s``, ``compile_cpu_s`` (this process's CPU seconds: on a shared machine the
+  steadier measure) and XLA's ``memory_analysis()`` in bytes (``argument``, ``output``, ``alias``,
+  ``temp``; None where the backend reports none)."""
+  t0, c0 = time.perf_counter(), time.process_time()
   lowered = jitted.lower(*args)
-  t1 = time.perf_counter()
+  t1, c1 = time.perf_counter(), time.process_time()
   compiled = lowered.compile()
-  t2 = time.perf_counter()
-  cost = {"lower_s": t1 - t0, "compile_s": t2 - t1}
+  t2, c2 = time.perf_counter(), time.process_time()
+  cost = {"lower_s": t1 - t0, "compile_s": t2 - t1, "lower_cpu_s": c1 - c0, "compile_cpu_s": c2 - c1}
   memory = compiled.memory_analysis()
   for name in ("argument", "output", "alias", "temp"):
     cost[f"{name}_bytes"] = None if memory is None else int(getattr(memory, f"{name}_size_in_bytes"))
