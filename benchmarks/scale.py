@@ -42,6 +42,7 @@ Usage::
   OPENBLAS_NUM_THREADS=1 python benchmarks/scale.py                    # depth 12, width 512: an hour on 2 cores
   python benchmarks/scale.py --smoke                                   # seconds, tiny model, temporary folder
   python benchmarks/scale.py --families circle orthogonal --dynamics ud --depth 24
+  python benchmarks/scale.py --markdown results/scale.json             # the table of a run, in Markdown
 
 Writes ``scale.json`` and ``scale.png`` under ``--out``. JSON keys: ``meta``
 (command, date, machine, versions), ``config``, ``params_bytes``, ``results``
@@ -53,6 +54,7 @@ Writes ``scale.json`` and ``scale.png`` under ``--out``. JSON keys: ``meta``
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import sys
@@ -250,6 +252,24 @@ def table(results, params_bytes: int) -> str:
   return f"parameters: {params_bytes / 1e6:.1f} MB\n" + report.table(lines, header)
 
 
+def markdown(report_: dict) -> str:
+  """The results of a report as a Markdown table, ratios to SGD-m's (compile CPU time, step times)."""
+  results = report_["results"]
+  sgd = next(r for r in results if r["name"] == "sgd_m")
+  lines = [
+    "| method | tau | compile CPU s | x sgd_m | state MB | temporaries MB | step 2x64 x sgd_m | step 8x128 x sgd_m |",
+    "| --- | --- | --- | --- | --- | --- | --- | --- |",
+  ]
+  for r in results:
+    s, big = r["small"], r["large"]
+    lines.append(
+      f"| {r['name']} | {r['temperature']:g} | {s['compile_cpu_s']:.1f} | "
+      f"{s['compile_cpu_s'] / sgd['small']['compile_cpu_s']:.2f} | {r['state_bytes'] / 1e6:.0f} | "
+      f"{s['temp_bytes'] / 1e6:.0f} | {s['ratio']:.2f} | {big['ratio']:.2f} |"
+    )
+  return "\n".join(lines)
+
+
 def plot(results, params_bytes: int, path: str) -> None:
   import matplotlib
 
@@ -297,6 +317,7 @@ def parse_args(argv=None):
   p.add_argument("--budget", type=float, default=30.0, help="seconds at most per timing (at least 5 pairs)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--quiet", action="store_true", help="no progress bar")
+  p.add_argument("--markdown", metavar="JSON", help="print the results of a scale.json as a Markdown table, and exit")
   args = p.parse_args(argv)
   for flag in ("depth", "width", "vocab", "repetitions"):
     if getattr(args, flag) < 1:
@@ -313,6 +334,10 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(argv)
+  if args.markdown:
+    with open(args.markdown) as f:
+      print(markdown(json.load(f)))
+    return {}
   started = time.perf_counter()
   if args.smoke:
     for key, value in SMOKE_MODEL.items():
