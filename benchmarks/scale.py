@@ -43,6 +43,7 @@ Usage::
   python benchmarks/scale.py --smoke                                   # seconds, tiny model, temporary folder
   python benchmarks/scale.py --families circle orthogonal --dynamics ud --depth 24
   python benchmarks/scale.py --markdown results/scale.json             # the table of a run, in Markdown
+  python benchmarks/scale.py --replot results/scale.json               # its PNG again
 
 Writes ``scale.json`` and ``scale.png`` under ``--out``. JSON keys: ``meta``
 (command, date, machine, versions), ``config``, ``params_bytes``, ``results``
@@ -318,6 +319,9 @@ def parse_args(argv=None):
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--quiet", action="store_true", help="no progress bar")
   p.add_argument("--markdown", metavar="JSON", help="print the results of a scale.json as a Markdown table, and exit")
+  p.add_argument(
+    "--replot", metavar="JSON", help="draw scale.png beside a scale.json (an interrupted run's too), and exit"
+  )
   args = p.parse_args(argv)
   for flag in ("depth", "width", "vocab", "repetitions"):
     if getattr(args, flag) < 1:
@@ -334,10 +338,14 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(argv)
-  if args.markdown:
-    with open(args.markdown) as f:
-      print(markdown(json.load(f)))
-    return {}
+  if args.markdown or args.replot:
+    with open(args.markdown or args.replot) as f:
+      saved = json.load(f)
+    if args.markdown:
+      print(markdown(saved))
+    else:
+      plot(saved["results"], saved["params_bytes"], os.path.join(os.path.dirname(args.replot), "scale.png"))
+    return saved
   started = time.perf_counter()
   if args.smoke:
     for key, value in SMOKE_MODEL.items():
