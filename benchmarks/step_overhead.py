@@ -54,7 +54,6 @@ kernel of the spiral MLP against SGD's whole step: ``layers``, ``shape``,
 ``products_ms``, ``sgd_step_ms``, ``ratio_bound``; see :func:`projection_floor`).
 """
 
-import argparse
 import math
 import os
 import pathlib
@@ -79,6 +78,7 @@ from cola_jax.constraints.circle import CircleState
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
 from _common import provenance, write_json
 from harness.report import output_dir
+from harness.timing import measure_pair, pair_summary, speed_parser, target_lines, tree_bytes
 
 RESULT_KEYS = (
   "model",
@@ -249,15 +249,6 @@ def make_pair(method: str, model: Model, args, temperature: float):
   raise ValueError(method)
 
 
-def tree_bytes(tree) -> int:
-  total = 0
-  for leaf in jax.tree.leaves(tree):
-    if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-      leaf = jax.random.key_data(leaf)
-    total += int(np.prod(leaf.shape)) * leaf.dtype.itemsize
-  return total
-
-
 def build(kind: str, tx, loss_fn, params, grads, batch):
   """A jitted step function and its initial carry ``(params, opt_state)``."""
   if kind == "update":
@@ -303,6 +294,11 @@ def array_passes(fn, carry, shape) -> dict | None:
   return {"reads": reads, "writes": writes}
 
 
+def measure(args, fns, carries):
+  """:func:`harness.timing.measure_pair` with the command line's warm-up, repetitions and budget."""
+  return measure_pair(fns, carries, args.warmup, args.repetitions, args.budget)
+
+
 def one_loop_floor(shape, radius: float, h: float, gamma: float, args) -> dict:
   """The c-CoLA-ud and SGD-m updates of one weight matrix, each as a single loop.
 
@@ -334,12 +330,8 @@ def one_loop_floor(shape, radius: float, h: float, gamma: float, args) -> dict:
   p = 0.01 * jax.random.normal(k2, shape)
   g = 0.1 * jax.random.normal(k3, shape)
   method, baseline = jax.jit(c_cola_ud), jax.jit(sgd_momentum)
-  t_m, t_b = measure_pair(
-    (lambda *carry: method(*carry, g), lambda *carry: baseline(*carry, g)),
-    ((theta, xi, p), (theta, p)),
-    args.warmup,
-    args.repetitions,
-    args.budget,
+  t_m, t_b = measure(
+    args, (lambda *carry: method(*carry, g), lambda *carry: baseline(*carry, g)), ((theta, xi, p), (theta, p))
   )
   method_ms, baseline_ms = 1e3 * float(np.median(t_m)), 1e3 * float(np.median(t_b))
   return {
@@ -371,13 +363,7 @@ def projection_floor(params, batch, loss_fn, h: float, args) -> dict:
   def two_products(kernels):
     return [w @ (w.T @ w) for w in kernels]
 
-  t_p, t_b = measure_pair(
-    (lambda *kernels: tuple(two_products(kernels)), sgd_step),
-    (tuple(squares), sgd_carry),
-    args.warmup,
-    args.repetitions,
-    args.budget,
-  )
+  t_p, t_b = measure(args, (lambda *kernels: tuple(two_products(kernels)), sgd_step), (tuple(squares), sgd_carry))
   products_ms, sgd_ms = 1e3 * float(np.median(t_p)), 1e3 * float(np.median(t_b))
   return {
     "layers": len(squares),
@@ -389,44 +375,14 @@ def projection_floor(params, batch, loss_fn, h: float, args) -> dict:
   }
 
 
-def measure_pair(fns, carries, warmup: int, repetitions: int, budget_s: float):
-  """Interleaved timing of two step functions; returns per-call seconds for each.
-
-  The order within a pair alternates from one repetition to the next so that
-  neither side always runs right after the other. Stops early once
-  ``budget_s`` seconds are spent (at least 5 repetitions).
-  """
-  carries = list(carries)
-  for i in (0, 1):
-    for _ in range(warmup):
-      carries[i] = jax.block_until_ready(fns[i](*carries[i]))
-  samples = ([], [])
-  start = time.perf_counter()
-  for rep in range(repetitions):
-    for i in (0, 1) if rep % 2 == 0 else (1, 0):
-      t0 = time.perf_counter()
-      carries[i] = jax.block_until_ready(fns[i](*carries[i]))
-      samples[i].append(time.perf_counter() - t0)
-    if rep >= 4 and time.perf_counter() - start > budget_s:
-      break
-  return np.asarray(samples[0]), np.asarray(samples[1])
-
-
 def summarize(model, method, baseline, temperature, kind, t_method, t_base):
-  iqr = lambda t: float(np.percentile(t, 75) - np.percentile(t, 25)) * 1e3
   return {
     "model": model,
     "method": method,
     "baseline": baseline,
     "temperature": temperature,
     "kind": kind,
-    "method_ms": float(np.median(t_method)) * 1e3,
-    "baseline_ms": float(np.median(t_base)) * 1e3,
-    "ratio": float(np.median(t_method) / np.median(t_base)),
-    "ratio_of_paired": float(np.median(t_method / t_base)),
-    "method_iqr_ms": iqr(t_method),
-    "baseline_iqr_ms": iqr(t_base),
-    "repetitions": len(t_method),
+    **pair_summary(t_method, t_base),
   }
 
 
@@ -519,21 +475,12 @@ def table(results, state_bytes, targets) -> str:
       ratio = f"{b['method'] / b['baseline']:6.2f}" if b["baseline"] else "   n/a"
       lines.append(f"{model:12s} {m:10s} {b['method']:12d} {b['baseline']:10d} {ratio}")
   lines.append("")
-  for t in targets:
-    value = "n/a" if t["value"] is None else f"{t['value']:.2f}"
-    met = {None: "not measured", True: "MET", False: "MISSED"}[t["met"]]
-    lines.append(f"target: {t['name']}: {value} <= {t['limit']}  {met}")
+  lines.extend(target_lines(targets))
   return "\n".join(lines)
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(
-    description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-  )
-  p.add_argument("--smoke", action="store_true", help="tiny models and a few repetitions: a check that runs in seconds")
-  p.add_argument(
-    "--out", default=None, help="output directory (default: results/; a --smoke run: a new temporary folder)"
-  )
+  p = speed_parser(__doc__, "tiny models and a few repetitions: a check that runs in seconds")
   p.add_argument("--models", nargs="+", default=["mlp784", "spiral8x100"], choices=["mlp784", "spiral8x100"])
   p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
   p.add_argument(
@@ -612,7 +559,7 @@ def main(argv=None) -> dict:
       baselines[base_key] = build(kind, base_tx, loss_fn, params, grads, batch)[0]
     f_b = baselines[base_key]
     c_b = (jax.tree.map(jnp.copy, params), base_tx.init(params))
-    t_m, t_b = measure_pair((f_m, f_b), (c_m, c_b), args.warmup, args.repetitions, args.budget)
+    t_m, t_b = measure(args, (f_m, f_b), (c_m, c_b))
     record = summarize(model.name, method, base_name, temperature, kind, t_m, t_b)
     record["hyperparameters"] = hyper
     if kind == "update":

@@ -80,7 +80,6 @@ step kind and method; ``batching``; ``targets``) and ``stiefel_projection.png``
 under ``--out``.
 """
 
-import argparse
 import os
 import pathlib
 import sys
@@ -97,6 +96,7 @@ from cola_jax.constraints import stiefel_projection as sp
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
 from _common import finite_list, provenance, write_json
 from harness.report import output_dir
+from harness.timing import speed_parser, target_lines, time_call
 
 TOP_KEYS = ("meta", "config", "floors", "results", "batching", "targets")
 RESULT_KEYS = (
@@ -241,24 +241,6 @@ def float32_floor(q64):
   return float(sp.defect(jnp.asarray(q64, jnp.float32)))
 
 
-# ----------------------------------------------------------------------------
-# Timing.
-
-
-def time_call(fn, args, repetitions, budget_s):
-  """Median seconds of ``fn(*args)`` after one warm-up call; stops at the budget."""
-  jax.block_until_ready(fn(*args))
-  samples = []
-  start = time.perf_counter()
-  for _ in range(repetitions):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    samples.append(time.perf_counter() - t0)
-    if time.perf_counter() - start > budget_s:
-      break
-  return float(np.median(samples)), len(samples)
-
-
 def project_layers_loop(f):
   """Every layer of a stack projected on its own: a Python loop inside ``jit``."""
 
@@ -371,21 +353,12 @@ def table(floors, results, batching, targets, tolerance) -> str:
       f"{b['max_difference']:10.1e}"
     )
   lines.append("")
-  for t in targets:
-    value = "n/a" if t["value"] is None else f"{t['value']:.2f} ({t['method']})"
-    met = {None: "not measured", True: "MET", False: "MISSED"}[t["met"]]
-    lines.append(f"target: {t['name']}: {value} <= {t['limit']}  {met}")
+  lines.extend(target_lines(targets, lambda t: f"{t['value']:.2f} ({t['method']})"))
   return "\n".join(lines)
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(
-    description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-  )
-  p.add_argument("--smoke", action="store_true", help="tiny sizes and one repetition: a check that runs in seconds")
-  p.add_argument(
-    "--out", default=None, help="output directory (default: results/; a --smoke run: a new temporary folder)"
-  )
+  p = speed_parser(__doc__, "tiny sizes and one repetition: a check that runs in seconds")
   p.add_argument("--sizes", type=int, nargs="+", default=[64, 128, 256, 512, 1024], help="square sizes n")
   p.add_argument("--tall", nargs="*", default=["784x100", "1024x256"], help="tall shapes RxS")
   p.add_argument("--h", type=float, nargs="+", default=[0.01, 0.1], help="step sizes")
@@ -437,7 +410,8 @@ def main(argv=None) -> dict:
           fns = {m: jax.jit(method_fn(m, tolerance, args.max_iterations)) for m in METHODS}
         for method in METHODS:
           q, iterations, converged = fns[method](q_n, q_bar)
-          seconds, reps = time_call(fns[method], (q_n, q_bar), args.repetitions, args.budget)
+          samples = time_call(fns[method], (q_n, q_bar), args.repetitions, args.budget)
+          seconds, reps = float(np.median(samples)), len(samples)
           q64 = np.asarray(q, np.float64)
           record = {
             "shape": [r, s],
@@ -495,8 +469,8 @@ def main(argv=None) -> dict:
       loop, vmapped = jax.jit(project_layers_loop(f)), jax.jit(project_layers_vmap(f))
       q_loop, it_loop, ok_loop = loop(qs_n, qs_bar)
       q_vmap, _, ok_vmap = vmapped(qs_n, qs_bar)
-      t_loop, _ = time_call(loop, (qs_n, qs_bar), args.repetitions, args.budget)
-      t_vmap, _ = time_call(vmapped, (qs_n, qs_bar), args.repetitions, args.budget)
+      t_loop = float(np.median(time_call(loop, (qs_n, qs_bar), args.repetitions, args.budget)))
+      t_vmap = float(np.median(time_call(vmapped, (qs_n, qs_bar), args.repetitions, args.budget)))
       batching.append(
         {
           "layers": layers,

@@ -13,7 +13,10 @@ Transformations before it (gradient clipping, for instance) are fine.
 
 Randomness: the PRNG key lives in the optimizer state, is split once per step,
 and gives one independent key per leaf, so runs are reproducible under ``jit``
-and ``vmap`` and inside Flax's ``TrainState``.
+and ``vmap`` and inside Flax's ``TrainState``. On XLA's CPU backend with one
+device, leaves that share a constraint, a shape and a dtype draw their noise
+together from the first one's key (see :func:`_map_leaves`): the same law,
+another stream, a compile time that does not grow with depth.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from cola_jax import langevin
+from cola_jax import _shared_noise, langevin
 from cola_jax._hyperparameters import check_floating_dtype, check_nonnegative, check_positive
 from cola_jax._numerics import concrete_float, explicit_sharding
 from cola_jax._tree import ConstraintSpec, LeafLayout
@@ -146,38 +149,73 @@ def _step_keys(key, noisy: bool, n_leaves: int):
   return key, list(jax.random.split(step_key, n_leaves))
 
 
-def _map_leaves(n_outputs, leaf_step, constraints, params, *columns) -> tuple[list, ...]:
-  """``leaf_step(constraint, param, *column_entries)`` for every leaf, transposed.
+def _map_leaves(n_outputs, leaf_step, constraints, params, *columns, keys) -> tuple[list, ...]:
+  """``leaf_step(constraint, param, *column_entries, key)`` for every leaf, transposed.
 
   ``leaf_step`` returns ``n_outputs`` values; with no leaves the result is
-  ``n_outputs`` empty lists.
+  ``n_outputs`` empty lists. ``keys`` holds each leaf's PRNG key (Nones when no
+  noise is drawn).
 
-  On accelerators, leaves that share a constraint whose ``stack_same_shape`` is
-  set, a shape and a dtype (and carry no explicit sharding) are stacked and
-  stepped together under ``vmap``: a deep network's equal hidden layers then
-  take one batched projection loop (one kernel launch and one host
-  synchronisation per iteration) instead of one loop each. The result is the
-  same as leaf by leaf; each leaf keeps its own key.
+  Leaves that share a constraint, a shape and a dtype (and carry no explicit
+  sharding) form a group when either of these pays:
+
+  * on accelerators, if the constraint's ``stack_same_shape`` is set, the
+    group is stacked and stepped together under ``vmap``: a deep network's
+    equal hidden layers then take one batched projection loop (one kernel
+    launch and one host synchronisation per iteration) instead of one loop
+    each;
+  * on XLA's CPU backend with one device, when noise is drawn, the group's
+    noise is drawn once for all its members (:mod:`cola_jax._shared_noise`),
+    so that the compiled program holds one generator per group rather than per
+    leaf: compile time no longer grows with depth.
+
+  Stacked or not, a member's result is the one it would get alone with the
+  same noise; leaves outside groups keep their own keys.
   """
-  stacking = _stacking_pays()
+  stacking, sharing = _stacking_pays(), _sharing_noise_pays() and any(k is not None for k in keys)
   groups = {}
   for i, (c, param) in enumerate(zip(constraints, params)):
-    stackable = stacking and c.stack_same_shape and explicit_sharding(param) is None
-    key = (_hashable(c), param.shape, param.dtype) if stackable else i
-    groups.setdefault(key, []).append(i)
+    together = explicit_sharding(param) is None and (sharing or (stacking and c.stack_same_shape))
+    group = (_hashable(c), param.shape, param.dtype) if together else i
+    groups.setdefault(group, []).append(i)
 
+  columns = (params, *columns, keys)
   outputs: list[Any] = [None] * len(params)
   for members in groups.values():
     c = constraints[members[0]]
+    step = lambda *args: leaf_step(c, *args)
     if len(members) == 1:
       (i,) = members
-      outputs[i] = leaf_step(c, params[i], *(column[i] for column in columns))
+      outputs[i] = step(*(column[i] for column in columns))
       continue
-    stacked = [_stack([column[i] for i in members]) for column in (params, *columns)]
-    batched = jax.vmap(lambda *args: leaf_step(c, *args))(*stacked)
-    for position, i in enumerate(members):
-      outputs[i] = jax.tree.map(lambda x: x[position], batched)
+    made = _shared_noise.requests(step, *(column[members[0]] for column in columns)) if sharing else []
+    drawn = _shared_noise.draw(keys[members[0]], made, len(members)) if made else [[]] * len(members)
+
+    def served_step(draws, *args):
+      with _shared_noise.serving(made, draws):
+        return step(*args)
+
+    if stacking and c.stack_same_shape:
+      stacked = [_stack([column[i] for i in members]) for column in columns]
+      batched = jax.vmap(served_step)(_stack(drawn), *stacked)
+      for position, i in enumerate(members):
+        outputs[i] = jax.tree.map(lambda x: x[position], batched)
+    else:
+      for draws, i in zip(drawn, members):
+        outputs[i] = served_step(draws, *(column[i] for column in columns))
   return tuple([output[k] for output in outputs] for k in range(n_outputs))
+
+
+def _sharing_noise_pays() -> bool:
+  """Whether a group of same-shape leaves draws its noise in one program: on XLA's CPU backend with one device.
+
+  There every draw's generator is compiled into its consumers' loops, some
+  hundred operations per leaf; writing a group's noise to memory once costs
+  less than compiling it per leaf. Accelerators fuse multi-output loops and
+  stack the leaves that pay for it; with several devices each leaf keeps its
+  key, so that a sharded run draws what an unsharded one does.
+  """
+  return jax.default_backend() == "cpu" and jax.device_count() == 1
 
 
 def _stacking_pays() -> bool:
@@ -272,7 +310,9 @@ def cola_od(
       point = langevin.overdamped_step(c, c.point(param, aux), grad, h, noise_scale, leaf_key)
       return c.unpack(point, param)
 
-    new_params, new_auxes = _map_leaves(2, leaf_step, layout.constraints, layout.compute, grad_leaves, auxes, leaf_keys)
+    new_params, new_auxes = _map_leaves(
+      2, leaf_step, layout.constraints, layout.compute, grad_leaves, auxes, keys=leaf_keys
+    )
     return layout.updates(new_params), OverdampedState(
       count=jnp.asarray(optax.safe_increment(state.count)), key=next_key, constraint_states=layout.unflatten(new_auxes)
     )
@@ -388,7 +428,7 @@ def cola_ud(
       return new_param, new_aux, c.store_momentum(momentum, param).astype(stored.dtype)
 
     new_params, new_auxes, new_momenta = _map_leaves(
-      3, leaf_step, layout.constraints, layout.compute, grad_leaves, auxes, momenta, leaf_keys
+      3, leaf_step, layout.constraints, layout.compute, grad_leaves, auxes, momenta, keys=leaf_keys
     )
     return layout.updates(new_params), UnderdampedState(
       count=jnp.asarray(optax.safe_increment(state.count)),

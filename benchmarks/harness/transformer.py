@@ -14,6 +14,11 @@ one layer. Parameter paths, for declaring constraints::
     embedding/embedding, decoder/{kernel,bias},
     layers/attention/{in_proj,out_proj}/{kernel,bias},
     layers/{linear1,linear2}/{kernel,bias}, layers/{norm1,norm2}/{scale,bias}
+
+With ``scan_layers=False`` each layer is a module of its own, ``block_0`` to
+``block_{n_layers-1}`` in place of ``layers`` (the layout of a model written
+with a Python loop: one leaf per layer and kind, each initialised
+independently).
 """
 
 from __future__ import annotations
@@ -95,6 +100,7 @@ class TransformerLM(nn.Module):
   d_ff: int = 200
   n_layers: int = 2
   dropout: float = 0.2
+  scan_layers: bool = True  # False: blocks block_0 ... block_{n-1}, each with its own parameters
 
   @nn.compact
   def __call__(self, tokens, deterministic: bool = True):
@@ -103,11 +109,15 @@ class TransformerLM(nn.Module):
     embed = nn.Embed(self.vocab_size, self.d_model, embedding_init=_uniform(0.1), name="embedding")
     x = embed(tokens) * math.sqrt(self.d_model) + positional_encoding(tokens.shape[-1], self.d_model)
     x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
-    layers = nn.scan(
-      EncoderLayer,
-      variable_axes={"params": 0},
-      split_rngs={"params": False, "dropout": True},
-      length=self.n_layers,
-    )(self.n_heads, self.d_ff, self.dropout, deterministic, name="layers")
-    x, _ = layers(x, None)
+    if self.scan_layers:
+      layers = nn.scan(
+        EncoderLayer,
+        variable_axes={"params": 0},
+        split_rngs={"params": False, "dropout": True},
+        length=self.n_layers,
+      )(self.n_heads, self.d_ff, self.dropout, deterministic, name="layers")
+      x, _ = layers(x, None)
+    else:
+      for i in range(self.n_layers):
+        x, _ = EncoderLayer(self.n_heads, self.d_ff, self.dropout, deterministic, name=f"block_{i}")(x, None)
     return nn.Dense(self.vocab_size, kernel_init=_uniform(0.1), bias_init=nn.initializers.zeros, name="decoder")(x)

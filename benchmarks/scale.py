@@ -1,0 +1,437 @@
+#!/usr/bin/env python
+"""Cost at scale: compile time, memory and step time of every CoLA method on a deep transformer LM.
+
+The model is the harness's causal transformer language model
+(:mod:`harness.transformer`, no dropout) with ``--depth`` post-norm blocks of
+width ``--width`` (``--width / 64`` heads, feed-forward ``4 x width``), vocabulary
+``--vocab``; by default each block has parameters of its own (``block_i/...``:
+48 constrained kernels at depth 12), with ``--scan`` the blocks are one
+``nn.scan`` (4 stacked kernels ``(depth, in, out)``). Every block kernel is
+constrained (:func:`cola_jax.path_constraints`), the embedding, decoder, biases
+and norms are free. Constraint families, each with CoLA-od and CoLA-ud, at
+temperature 0 and ``--temperature``:
+
+* ``circle`` ``Circle(0.2)`` and ``box`` ``Box(-0.2, 0.2)``: elementwise;
+* ``sphere`` ``Sphere(1)`` and ``unit_norm`` ``UnitNorm(1)``: per output unit;
+* ``orthogonal`` ``Orthogonal()``: orthonormal columns or rows of each kernel;
+* ``implicit``: ``Implicit`` per output unit, entries summing to 0 with norm 1;
+* ``non_negative`` ``NonNegative()``: elementwise.
+
+Baselines, in the same process: ``optax.sgd(0.01, momentum=0.9)`` (``sgd_m``)
+and ``optax.adam(1e-3)``. CoLA-od runs with ``h = 0.01``, CoLA-ud with
+``h = 0.1``, friction 1 (SGD-m with learning rate 0.01, momentum 0.905 at
+temperature 0). The parameters start on each manifold
+(:func:`cola_jax.project_params`).
+
+For each method: one jitted training step (loss, gradient, update, apply;
+parameters and optimizer state donated), compiled separately at the small
+batch (``--small``, tokens ``batch x length``) and at the realistic one
+(``--large``). Measured: compile time (``lower().compile()``, wall clock and
+this process's CPU time, the steadier on a shared machine; the baseline
+compiled once before the measurements so that no method pays the compiler's
+first use), the optimizer state's bytes, XLA's temporary bytes
+(``compiled.memory_analysis()``), and the step time at both batches, each
+interleaved with SGD-m's step at the same batch (median of repetitions after
+warm-up). Targets (issue 22): at temperature > 0 every method compiles in at
+most 2x SGD-m's (CPU) time; state + temporaries at most Adam's + the parameters'
+bytes; at the large batch the step takes at most 1.25x SGD-m's (1.5x for
+``orthogonal``).
+
+Usage::
+
+  OPENBLAS_NUM_THREADS=1 python benchmarks/scale.py                    # depth 12, width 512: an hour on 2 cores
+  python benchmarks/scale.py --smoke                                   # seconds, tiny model, temporary folder
+  python benchmarks/scale.py --families circle orthogonal --dynamics ud --depth 24
+  python benchmarks/scale.py --markdown results/scale.json             # the table of a run, in Markdown
+  python benchmarks/scale.py --replot results/scale.json               # its PNG again
+
+Writes ``scale.json`` and ``scale.png`` under ``--out``. JSON keys: ``meta``
+(command, date, machine, versions), ``config``, ``params_bytes``, ``results``
+(one record per method: ``name``, ``family``, ``dynamics``, ``temperature``,
+``state_bytes``, ``small`` and ``large``, each with ``compile_s`` and ``compile_cpu_s``,
+``temp_bytes``, the step's ``method_ms``, ``baseline_ms`` (SGD-m) and
+``ratio``), ``targets`` (``name``, ``value``, ``limit``, ``met``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+import time
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import cola_jax as cola
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
+from _common import provenance, write_json
+from harness import report
+from harness.timing import compile_cost, measure_pair, pair_summary, speed_parser, target_lines, tree_bytes
+from harness.transformer import TransformerLM
+
+FAMILIES = ("circle", "box", "sphere", "unit_norm", "orthogonal", "implicit", "non_negative")
+DYNAMICS = ("od", "ud")
+BASELINES = ("sgd_m", "adam")
+TOP_KEYS = ("meta", "config", "params_bytes", "results", "targets")
+RESULT_KEYS = ("name", "family", "dynamics", "temperature", "state_bytes", "small", "large")
+BATCH_KEYS = ("compile_s", "compile_cpu_s", "temp_bytes", "method_ms", "baseline_ms", "ratio")
+H_OD, H_UD, FRICTION = 0.01, 0.1, 1.0
+STEP_LIMITS = {"orthogonal": 1.5}  # the others: 1.25
+SMOKE_MODEL = {"depth": 1, "width": 32, "vocab": 64, "small": "2x8", "large": "2x8"}  # one batch: half the compiles
+
+
+def zero_sum_unit_norm(unit):
+  """Per unit: the entries sum to zero and the norm is 1 (two components)."""
+  return jnp.stack([jnp.sum(unit), jnp.sum(unit * unit) - 1])
+
+
+def family_constraint(family: str, scan: bool):
+  """The constraint of every block kernel: ``(in, out)``, or ``(depth, in, out)`` stacked by ``nn.scan``."""
+  unit = 1 if scan else None  # the axes of one unit's incoming weights; None: every axis but the last
+  return {
+    "circle": lambda: cola.Circle(0.2),
+    "box": lambda: cola.Box(-0.2, 0.2),
+    "sphere": lambda: cola.Sphere(1.0, axis=unit),
+    "unit_norm": lambda: cola.UnitNorm(1.0, axis=unit),
+    "orthogonal": lambda: cola.Orthogonal(row_axes=1, column_axes=2) if scan else cola.Orthogonal(),
+    "implicit": lambda: cola.Implicit(equality=zero_sum_unit_norm, axis=unit if scan else 0),
+    "non_negative": lambda: cola.NonNegative(),
+  }[family]()
+
+
+def kernel_constraints(family: str, scan: bool):
+  return cola.path_constraints([(r"^(layers|block_\d+)/.*/kernel$", family_constraint(family, scan))])
+
+
+def make_method(name: str, family: str | None, dynamics: str | None, temperature: float, scan: bool):
+  """(transform, constraint spec or None) of a result row."""
+  if name == "sgd_m":
+    return optax.sgd(0.01, momentum=0.9), None
+  if name == "adam":
+    return optax.adam(1e-3), None
+  assert family is not None
+  constraints = kernel_constraints(family, scan)
+  noise = {"temperature": temperature, "key": jax.random.key(1)} if temperature > 0 else {}
+  if dynamics == "od":
+    return cola.cola_od(H_OD, constraints=constraints, **noise), constraints
+  return cola.cola_ud(H_UD, friction=FRICTION, constraints=constraints, **noise), constraints
+
+
+def batch_shape(text: str) -> tuple[int, int]:
+  batch, _, length = text.partition("x")
+  return int(batch), int(length)
+
+
+def training_step(model, tx):
+  """``(params, state, tokens) -> (params, state, tokens)``: next-token cross-entropy, gradient, update."""
+
+  def loss(params, tokens):
+    logits = model.apply({"params": params}, tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+  def step(params, state, tokens):
+    updates, state = tx.update(jax.grad(loss)(params, tokens), state, params)
+    return optax.apply_updates(params, updates), state, tokens
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def rows(args) -> list[tuple]:
+  """(name, family, dynamics, temperature) of every measurement: baselines, with noise, without."""
+  out = [(name, None, None, 0.0) for name in BASELINES]
+  for temperature in (args.temperature, 0.0):  # with noise first: what the compile-time target is about
+    for i, family in enumerate(args.families):
+      for dynamics in args.dynamics:
+        if args.smoke and len(args.dynamics) > 1 and dynamics != DYNAMICS[i % 2]:
+          continue  # --smoke: each family once, od and ud in turn
+        if args.smoke and temperature == 0 and family != args.families[0]:
+          continue
+        out.append((f"{dynamics}_{family}{'_noisy' if temperature > 0 else ''}", family, dynamics, temperature))
+  return out
+
+
+def measure_row(row, model, params, tokens, baselines, args) -> dict:
+  """One method: state bytes, then per batch its compile cost and its step interleaved with SGD-m's."""
+  name, family, dynamics, temperature = row
+  tx, constraints = make_method(name, family, dynamics, temperature, args.scan)
+  start = params if constraints is None else cola.project_params(params, constraints)
+  record = {
+    "name": name,
+    "family": family,
+    "dynamics": dynamics,
+    "temperature": temperature,
+    "state_bytes": tree_bytes(tx.init(start)),
+  }
+  step = training_step(model, tx)
+  fresh = lambda tree: jax.tree.map(jnp.copy, tree)  # each call donates its own buffers, the PRNG key included
+  for size in ("small", "large"):
+    if size == "large" and args.large == args.small:
+      record[size] = record["small"]
+      break
+    compiled, cost = compile_cost(step, start, tx.init(start), tokens[size])
+    base_compiled, base_tx = baselines[size]
+    carries = (
+      (fresh(start), fresh(tx.init(start)), tokens[size]),
+      (fresh(params), base_tx.init(params), tokens[size]),
+    )
+    t_method, t_base = measure_pair((compiled, base_compiled), carries, 1, args.repetitions, args.budget)
+    record[size] = {**cost, **pair_summary(t_method, t_base)}
+    del compiled, carries
+  return record
+
+
+def targets_from(results, params_bytes: int) -> list[dict]:
+  by_name = {r["name"]: r for r in results}
+  if not set(BASELINES) <= set(by_name):
+    return []
+  sgd_compile = by_name["sgd_m"]["small"]["compile_cpu_s"]
+  adam = by_name["adam"]
+  adam_memory = adam["state_bytes"] + adam["small"]["temp_bytes"]
+  out = []
+  for r in results:
+    if r["family"] is None:
+      continue
+    memory = r["state_bytes"] + r["small"]["temp_bytes"]
+    limit = STEP_LIMITS.get(r["family"], 1.25)
+    if r["temperature"] > 0:
+      ratio = r["small"]["compile_cpu_s"] / sgd_compile
+      out.append({"name": f"{r['name']} compile CPU time / sgd_m's", "value": ratio, "limit": 2.0, "met": ratio <= 2.0})
+    memory_limit = (adam_memory + params_bytes) / 1e6
+    out.append(
+      {
+        "name": f"{r['name']} state + temporaries (MB) / Adam's + parameters'",
+        "value": memory / 1e6,
+        "limit": round(memory_limit, 1),
+        "met": memory / 1e6 <= memory_limit,
+      }
+    )
+    ratio = r["large"]["ratio"]
+    out.append(
+      {"name": f"{r['name']} large-batch step / sgd_m's", "value": ratio, "limit": limit, "met": ratio <= limit}
+    )
+  return out
+
+
+def table(results, params_bytes: int) -> str:
+  sgd = next(r for r in results if r["name"] == "sgd_m")
+  header = (
+    "method",
+    "tau",
+    "compile CPU s",
+    "x sgd_m",
+    "state MB",
+    "temp MB",
+    "small ms",
+    "x sgd_m",
+    "large ms",
+    "x sgd_m",
+  )
+  lines = []
+  for r in results:
+    s, big = r["small"], r["large"]
+    lines.append(
+      (
+        r["name"],
+        f"{r['temperature']:g}",
+        f"{s['compile_cpu_s']:.1f}",
+        f"{s['compile_cpu_s'] / sgd['small']['compile_cpu_s']:.2f}",
+        f"{r['state_bytes'] / 1e6:.0f}",
+        f"{s['temp_bytes'] / 1e6:.0f}",
+        f"{s['method_ms']:.0f}",
+        f"{s['ratio']:.2f}",
+        f"{big['method_ms']:.0f}",
+        f"{big['ratio']:.2f}",
+      )
+    )
+  return f"parameters: {params_bytes / 1e6:.1f} MB\n" + report.table(lines, header)
+
+
+def markdown(report_: dict) -> str:
+  """The results of a report as a Markdown table, ratios to SGD-m's (compile CPU time, step times)."""
+  results = report_["results"]
+  sgd = next(r for r in results if r["name"] == "sgd_m")
+  lines = [
+    "| method | tau | compile CPU s | x sgd_m | state MB | temporaries MB | step 2x64 x sgd_m | step 8x128 x sgd_m |",
+    "| --- | --- | --- | --- | --- | --- | --- | --- |",
+  ]
+  for r in results:
+    s, big = r["small"], r["large"]
+    lines.append(
+      f"| {r['name']} | {r['temperature']:g} | {s['compile_cpu_s']:.1f} | "
+      f"{s['compile_cpu_s'] / sgd['small']['compile_cpu_s']:.2f} | {r['state_bytes'] / 1e6:.0f} | "
+      f"{s['temp_bytes'] / 1e6:.0f} | {s['ratio']:.2f} | {big['ratio']:.2f} |"
+    )
+  return "\n".join(lines)
+
+
+def plot(results, params_bytes: int, path: str) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  names = [r["name"] for r in results]
+  sgd = results[[r["name"] for r in results].index("sgd_m")]
+  adam = results[[r["name"] for r in results].index("adam")]
+  panels = [
+    ("compile CPU time / SGD-m's", [r["small"]["compile_cpu_s"] / sgd["small"]["compile_cpu_s"] for r in results], 2.0),
+    (
+      "state + temporaries (MB)",
+      [(r["state_bytes"] + r["small"]["temp_bytes"]) / 1e6 for r in results],
+      (adam["state_bytes"] + adam["small"]["temp_bytes"] + params_bytes) / 1e6,
+    ),
+    ("large-batch step / SGD-m's", [r["large"]["ratio"] for r in results], 1.25),
+  ]
+  fig, axes = plt.subplots(1, 3, figsize=(18, 0.28 * len(names) + 1.5))
+  colours = ["C2" if r["family"] is None else "C1" if r["temperature"] > 0 else "C0" for r in results]
+  for ax, (title, values, limit) in zip(axes, panels):
+    ax.barh(np.arange(len(names)), values, color=colours)
+    ax.axvline(limit, color="k", ls=":", lw=1)
+    ax.set_yticks(np.arange(len(names)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_title(title)
+  fig.suptitle("Blue: temperature 0; orange: temperature > 0; green: optax. Dotted: the issue's limit")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def parse_args(argv=None):
+  p = speed_parser(__doc__, "a 1-block width-32 model, a few repetitions: a check that runs in seconds")
+  p.add_argument("--depth", type=int, default=12, help="transformer blocks")
+  p.add_argument("--width", type=int, default=512, help="model width (heads: width / 64, at least 1)")
+  p.add_argument("--vocab", type=int, default=1024, help="vocabulary size")
+  p.add_argument("--scan", action="store_true", help="the blocks as one nn.scan (stacked kernels)")
+  p.add_argument("--small", default="2x64", help="the small batch, BATCHxLENGTH tokens")
+  p.add_argument("--large", default="8x128", help="the realistic batch, BATCHxLENGTH tokens")
+  p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+  p.add_argument("--dynamics", nargs="+", default=list(DYNAMICS), choices=DYNAMICS)
+  p.add_argument("--temperature", type=float, default=1e-6, help="the temperature > 0 setting")
+  p.add_argument("--repetitions", type=int, default=10, help="timed steps per batch at most")
+  p.add_argument("--budget", type=float, default=30.0, help="seconds at most per timing (at least 5 pairs)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--quiet", action="store_true", help="no progress bar")
+  p.add_argument("--markdown", metavar="JSON", help="print the results of a scale.json as a Markdown table, and exit")
+  p.add_argument(
+    "--replot", metavar="JSON", help="draw scale.png beside a scale.json (an interrupted run's too), and exit"
+  )
+  args = p.parse_args(argv)
+  for flag in ("depth", "width", "vocab", "repetitions"):
+    if getattr(args, flag) < 1:
+      p.error(f"--{flag} must be positive")
+  for flag in ("small", "large"):
+    try:
+      if min(batch_shape(getattr(args, flag))) < 2:
+        raise ValueError
+    except ValueError:
+      p.error(f"--{flag} must be BATCHxLENGTH with both at least 2, got {getattr(args, flag)!r}")
+  return args
+
+
+def main(argv=None) -> dict:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  args = parse_args(argv)
+  if args.markdown or args.replot:
+    with open(args.markdown or args.replot) as f:
+      saved = json.load(f)
+    if args.markdown:
+      print(markdown(saved))
+    else:
+      plot(saved["results"], saved["params_bytes"], os.path.join(os.path.dirname(args.replot), "scale.png"))
+    return saved
+  started = time.perf_counter()
+  if args.smoke:
+    for key, value in SMOKE_MODEL.items():
+      setattr(args, key, value)
+    args.repetitions, args.budget = min(args.repetitions, 2), 0.5
+  args.out = report.output_dir(args.out or (None if args.smoke else "results/"), "scale")
+  heads = max(1, args.width // 64)
+  model = TransformerLM(
+    vocab_size=args.vocab,
+    d_model=args.width,
+    n_heads=heads,
+    d_ff=4 * args.width,
+    n_layers=args.depth,
+    dropout=0.0,
+    scan_layers=args.scan,
+  )
+  key_params, key_tokens = jax.random.split(jax.random.key(args.seed))
+  tokens = {
+    size: jax.random.randint(jax.random.fold_in(key_tokens, i), batch_shape(getattr(args, size)), 0, args.vocab)
+    for i, size in enumerate(("small", "large"))
+  }
+  params = jax.jit(lambda k: model.init(k, tokens["small"][:, :-1])["params"])(key_params)
+  params_bytes = tree_bytes(params)
+
+  sgd_m = optax.sgd(0.01, momentum=0.9)
+  compile_cost(training_step(model, sgd_m), params, sgd_m.init(params), tokens["small"])  # the compiler's first use
+  baselines = {
+    size: (compile_cost(training_step(model, sgd_m), params, sgd_m.init(params), tokens[size])[0], sgd_m)
+    for size in ("small", "large")
+  }
+
+  todo = rows(args)
+  config = {
+    "smoke": args.smoke,
+    "model": {
+      "depth": args.depth,
+      "width": args.width,
+      "heads": heads,
+      "d_ff": 4 * args.width,
+      "vocab": args.vocab,
+      "scan": args.scan,
+      "parameters": params_bytes // 4,
+    },
+    "batches": {"small": args.small, "large": args.large},
+    "families": args.families,
+    "dynamics": args.dynamics,
+    "temperature": args.temperature,
+    "hyperparameters": {"h_od": H_OD, "h_ud": H_UD, "friction": FRICTION},
+    "repetitions": args.repetitions,
+    "budget_s": args.budget,
+    "timing": "each method compiled on its own (lower().compile(), wall clock and process CPU time; the "
+    "baseline compiled once before, uncounted); steps jitted with donated params and state, interleaved "
+    "with SGD-m's at the same batch, median after one warm-up call",
+  }
+  json_path = os.path.join(args.out, "scale.json")
+  progress = report.progress(len(todo), args.quiet, unit="method")
+  progress.write(
+    f"{args.depth} blocks, width {args.width}, {heads} heads, vocabulary {args.vocab}"
+    f"{' (scanned)' if args.scan else ''}: {params_bytes / 4e6:.1f}M parameters; {len(todo)} methods"
+  )
+  results = []
+  for row in todo:
+    progress.set_description(row[0])
+    record = measure_row(row, model, params, tokens, baselines, args)
+    results.append(record)
+    small = record["small"]
+    progress.write(
+      f"{row[0]:24s} compile {small['compile_cpu_s']:5.1f} CPU s, state {record['state_bytes'] / 1e6:4.0f} MB, "
+      f"temp {small['temp_bytes'] / 1e6:5.0f} MB, step {small['ratio']:.2f}x / {record['large']['ratio']:.2f}x sgd_m"
+    )
+    progress.update()
+    result = {  # written after every method: an interrupted run keeps what it measured
+      "meta": provenance(argv, started, packages=("flax",)),
+      "config": {**config, "complete": len(results) == len(todo)},
+      "params_bytes": params_bytes,
+      "results": results,
+      "targets": targets_from(results, params_bytes),
+    }
+    write_json(json_path, result)
+  progress.close()
+  plot(results, params_bytes, os.path.join(args.out, "scale.png"))
+  print(table(results, params_bytes))
+  print("\n".join(target_lines(result["targets"])))
+  print(f"\nwrote {json_path} and {os.path.join(args.out, 'scale.png')}")
+  return result
+
+
+if __name__ == "__main__":
+  main()

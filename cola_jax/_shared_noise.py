@@ -1,0 +1,104 @@
+"""The noise of a group of same-shape leaves, drawn in one program for all of them.
+
+Each draw of :mod:`cola_jax._noise` is a hash of some hundred operations that
+XLA compiles into the loop of its consumer, once per leaf: a 12-block
+transformer, whose 48 kernels each draw their own noise, compiled about ten
+times longer with noise than without. Leaves that share a constraint, a shape
+and a dtype make the same requests in the same order (traced once, abstractly,
+by :func:`requests`); :func:`draw` makes each request once for the whole
+group, with the group's member axis in front, and writes it to memory once, so
+that the program holds one hash per request and group, whatever the depth.
+Each member then receives its slice (:func:`serving`) where it would have
+drawn. The numbers are independent standard normal entries as before, from a
+different stream: the group's first key, folded with the request's index.
+"""
+
+import contextlib
+import math
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from cola_jax._numerics import computed_together
+
+_ACTIVE = threading.local()
+
+
+class Request(NamedTuple):
+  """A draw of ``arrays`` standard normal arrays of ``shape`` and ``dtype``."""
+
+  arrays: int
+  shape: tuple[int, ...]
+  dtype: np.dtype
+
+
+def intercept(arrays: int, shape, dtype, out_sharding) -> tuple[jax.Array, ...] | None:
+  """The arrays of the active recording or serving for this draw, or None (draw as usual)."""
+  active = getattr(_ACTIVE, "value", None)
+  if active is None or out_sharding is not None:
+    return None
+  return active(Request(arrays, tuple(shape), np.dtype(dtype)))
+
+
+@contextlib.contextmanager
+def _active(handler: Callable[[Request], tuple[jax.Array, ...]]) -> Iterator[None]:
+  previous = getattr(_ACTIVE, "value", None)
+  _ACTIVE.value = handler
+  try:
+    yield
+  finally:
+    _ACTIVE.value = previous
+
+
+def requests(fn: Callable, *args) -> list[Request]:
+  """The draws ``fn(*args)`` makes, in order, traced abstractly (nothing is computed)."""
+  made: list[Request] = []
+
+  def record(request: Request):
+    made.append(request)
+    return tuple(jax.numpy.zeros(request.shape, request.dtype) for _ in range(request.arrays))
+
+  with _active(record):
+    jax.eval_shape(fn, *args)
+  return made
+
+
+def draw(key: jax.Array, made: Sequence[Request], members: int) -> list[list[tuple[jax.Array, ...]]]:
+  """For each member, for each request, its arrays: every request drawn once for all members.
+
+  A request's ``members * arrays`` arrays come from one Box-Muller draw of
+  half as many (:func:`~cola_jax._noise.normal_pair`, both halves computed in
+  one pass), written to memory once, so that the consumers of each member read
+  its slice instead of hashing again.
+  """
+  from cola_jax import _noise  # which imports this module for intercept()
+
+  per_request = []
+  for index, request in enumerate(made):
+    count = members * request.arrays
+    half = math.ceil(count / 2)
+    first, second = _noise.normal_pair(jax.random.fold_in(key, index), (half, *request.shape), request.dtype)
+    first, second = jax.lax.optimization_barrier(computed_together(first, second))
+    arrays = [first[i] if i < half else second[i - half] for i in range(count)]
+    per_request.append([tuple(arrays[m * request.arrays : (m + 1) * request.arrays]) for m in range(members)])
+  return [[drawn[m] for drawn in per_request] for m in range(members)]
+
+
+@contextlib.contextmanager
+def serving(made: Sequence[Request], drawn: Sequence[tuple[jax.Array, ...]]) -> Iterator[None]:
+  """Answers the draws made inside, in order, with ``drawn`` (one member's arrays of :func:`draw`)."""
+  queue = list(zip(made, drawn))
+
+  def serve(request: Request):
+    expected, arrays = queue.pop(0)
+    if request != expected:  # the recording's trace and this one differ: a bug, not a user error
+      raise AssertionError(f"noise request {request} where {expected} was recorded")
+    return arrays
+
+  with _active(serve):
+    yield
+  if queue:
+    raise AssertionError(f"{len(queue)} recorded noise request(s) were not made")

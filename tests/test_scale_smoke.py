@@ -1,0 +1,66 @@
+"""The cost-at-scale benchmark runs end to end in --smoke mode and writes its documented report.
+
+Only the structure and the byte counts are checked: timings are the
+benchmark's business, never a test's.
+"""
+
+import json
+import math
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def scale(load_benchmark):
+  return load_benchmark("scale")
+
+
+# Two families in the quick suite (od and ud, with and without noise); every family with slow.
+@pytest.mark.parametrize(
+  "families", [pytest.param(("circle", "box"), id="two"), pytest.param(None, id="all", marks=pytest.mark.slow)]
+)
+def test_smoke_run_writes_the_documented_report(scale, tmp_path, families):
+  pytest.importorskip("matplotlib")
+  returned = scale.main(
+    ["--smoke", "--quiet", "--out", str(tmp_path), *(["--families", *families] if families else [])]
+  )
+  families = families or scale.FAMILIES
+
+  with open(tmp_path / "scale.json") as f:
+    report = json.load(f)
+  assert (tmp_path / "scale.png").stat().st_size > 0
+  assert set(scale.TOP_KEYS) <= set(report)
+  assert report["results"] == json.loads(json.dumps(returned["results"]))
+  assert {"command", "argv", "date", "machine", "versions"} <= set(report["meta"])
+  assert report["config"]["smoke"] is True
+
+  results = {r["name"]: r for r in report["results"]}
+  assert set(scale.BASELINES) <= set(results)
+  # Every constraint family is measured with noise, and od and ud both appear.
+  noisy = [r for r in report["results"] if r["temperature"] > 0]
+  assert {r["family"] for r in noisy} == set(families)
+  assert {r["dynamics"] for r in noisy} == set(scale.DYNAMICS)
+  for record in report["results"]:
+    assert set(scale.RESULT_KEYS) <= set(record)
+    for size in ("small", "large"):
+      for key in scale.BATCH_KEYS:
+        assert math.isfinite(record[size][key]) and record[size][key] >= 0, (record["name"], size, key)
+
+  # State bytes follow from the methods: SGD-m keeps one momentum per parameter, Adam two.
+  params = report["params_bytes"]
+  assert results["sgd_m"]["state_bytes"] == params
+  assert params < results["adam"]["state_bytes"] - params <= params + 64
+  # An overdamped transform keeps no momentum: its state is the constraints' slacks and a key.
+  assert results["od_circle_noisy"]["state_bytes"] < params
+
+  names = {t["name"] for t in report["targets"]}
+  assert len(names) == len(report["targets"])
+  assert all(t["met"] in (True, False) and math.isfinite(t["value"]) for t in report["targets"])
+  assert sum("compile" in name for name in names) == len(noisy)
+
+
+def test_bad_batch_is_a_usage_error(scale, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    scale.parse_args(["--large", "8by128"])
+  assert exit_info.value.code == 2
+  assert "--large must be BATCHxLENGTH" in capsys.readouterr().err

@@ -1,0 +1,55 @@
+"""Same-shape leaves draw their noise once per group (XLA:CPU, one device): one generator, independent normals."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import cola_jax as cola
+from cola_jax import transforms
+
+pytestmark = pytest.mark.skipif(not transforms._sharing_noise_pays(), reason="groups share noise on one CPU device")
+
+
+def free_noise(n_leaves: int, shape=(64, 32)) -> list[np.ndarray]:
+  """The noise of one CoLA-od step of free leaves at zero gradient: update / sqrt(2 tau h)."""
+  h, tau = 0.5, 2.0
+  params = {f"w{i}": jnp.zeros(shape) for i in range(n_leaves)}
+  tx = cola.cola_od(h, temperature=tau, key=jax.random.key(3))
+  updates, _ = jax.jit(tx.update)(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+  return [np.asarray(updates[f"w{i}"]) / np.sqrt(2 * tau * h) for i in range(n_leaves)]
+
+
+def test_members_get_independent_standard_normal_noise():
+  noise = free_noise(5)
+  n = noise[0].size
+  for z in noise:
+    assert abs(z.mean()) < 5 / np.sqrt(n)
+    assert abs(z.var() - 1) < 5 * np.sqrt(2 / n)
+  # Every member its own numbers (a slice given twice would correlate perfectly).
+  flat = np.stack([z.ravel() for z in noise])
+  correlation = np.corrcoef(flat)
+  assert np.max(np.abs(correlation - np.eye(len(noise)))) < 5 / np.sqrt(n)
+  np.testing.assert_array_equal(np.stack(free_noise(5)), np.stack(noise))  # a fixed key: the same run
+
+
+def shift_lefts(n_leaves: int) -> int:
+  """Shift-left operations (the hash's rotations) in the compiled noisy update of ``n_leaves`` circle leaves."""
+  params = {f"w{i}": jnp.full((16, 8), 0.1) for i in range(n_leaves)}
+  tx = cola.c_cola_ud(0.1, friction=1.0, radius=0.5, temperature=1e-4, key=jax.random.key(0))
+
+  def step(p, s):
+    updates, s = tx.update(jax.tree.map(jnp.ones_like, p), s, p)
+    return optax.apply_updates(p, updates), s
+
+  return jax.jit(step).lower(params, tx.init(params)).compile().as_text().count("shift-left(")
+
+
+ROTATIONS = 20  # Threefry-2x32's rounds: one rotation (a shift-left among others) each
+
+
+def test_the_program_holds_one_generator_per_group_whatever_the_depth(monkeypatch):
+  assert shift_lefts(6) - shift_lefts(2) < ROTATIONS  # four more leaves, not one more hash
+  monkeypatch.setattr(transforms, "_sharing_noise_pays", lambda: False)
+  assert shift_lefts(6) - shift_lefts(2) >= 4 * ROTATIONS  # leaf by leaf: a hash each
