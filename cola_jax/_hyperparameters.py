@@ -64,3 +64,9 @@ def check_floating_dtype(owner: str, name: str, value: Any) -> Any:
   if not jnp.issubdtype(dtype, jnp.floating):
     raise TypeError(f"{owner}: {name} must be a floating point dtype such as jnp.bfloat16, got {dtype}.")
   return dtype
+
+
+def check_loop(owner: str, loop) -> None:
+  """``loop`` of a constraint: ``"while"`` or ``"fixed"`` (see :func:`cola_jax._numerics.bounded_while_loop`)."""
+  if loop not in ("while", "fixed"):
+    raise ValueError(f"{owner}: loop must be 'while' or 'fixed', got {loop!r}.")

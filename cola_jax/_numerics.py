@@ -199,6 +199,36 @@ def max_abs(x: jax.Array, axis=None, keepdims: bool = False) -> jax.Array:
   return jnp.max(jnp.where(jnp.isnan(x), jnp.inf, magnitude), axis=axis, keepdims=keepdims, initial=0)
 
 
+def angle_gate_as_select() -> bool:
+  """Whether :func:`with_sincos` computes both paths and selects, rather than gating the exact one.
+
+  Off XLA:CPU: there the host would read the gate's test before going on, and
+  the exact path fused into the same elementwise pass costs nothing measurable
+  (c-CoLA-ud on an H200, ``benchmarks/accelerator_loops.py``). Decided by
+  ``jax.default_backend()`` when the step is traced.
+  """
+  return jax.default_backend() != "cpu"
+
+
+def bounded_while_loop(not_done, step, init, bound: int, fixed: bool):
+  """``lax.while_loop(not_done, step, init)``, or with ``fixed`` its masked form of ``bound`` iterations.
+
+  The masked form is a ``lax.fori_loop`` of static length whose iterations
+  leave the carry as it is once ``not_done`` is False: the same iterates
+  (the same arithmetic, selected) without a test read by the host, always at
+  the cost of ``bound`` iterations. It is exact for loops whose test fails
+  within ``bound`` iterations (those that count their iterations against it).
+  """
+  if not fixed:
+    return jax.lax.while_loop(not_done, step, init)
+
+  def masked(_, carry):
+    go = not_done(carry)
+    return jax.tree.map(lambda new, old: jnp.where(go, new, old), step(carry), carry)
+
+  return jax.lax.fori_loop(0, bound, masked, init)
+
+
 def with_sincos(fn, x: jax.Array, *operands):
   """``fn(sincos, x, *operands)``, evaluated with :func:`sincos_fast` whenever it is exact.
 
@@ -206,10 +236,16 @@ def with_sincos(fn, x: jax.Array, *operands):
   :func:`sincos` only if some ``|x| >= 2**13`` (or is NaN): a while loop of at
   most one iteration, which under ``vmap`` runs once if any member needs it
   (a ``lax.cond`` would become a select and run the exact path every step).
+  Off CPU (:func:`angle_gate_as_select`) both are computed, elementwise in
+  one pass, and selected.
   """
   if x.dtype != jnp.float32:
     return fn(sincos, x, *operands)
   needed = ~(max_abs(x) < FAST_SINCOS_LIMIT)
+  if angle_gate_as_select():
+    return jax.tree.map(
+      lambda exact, fast: jnp.where(needed, exact, fast), fn(sincos, x, *operands), fn(sincos_fast, x, *operands)
+    )
   result, _ = jax.lax.while_loop(
     lambda carry: carry[1],
     lambda carry: (fn(sincos, x, *operands), jnp.array(False)),

@@ -88,6 +88,7 @@ def orthogonal_constraints(
   tolerance: float = 1e-6,
   max_iterations: int = 20,
   projection: str = "quasi_newton",
+  loop: str = "while",
   owner: str = "orthogonal_constraints",
 ):
   """The constraints of :func:`o_cola_od` and :func:`o_cola_ud`, as a callable.
@@ -95,7 +96,7 @@ def orthogonal_constraints(
   Returns a function ``params -> pytree`` with an :class:`~cola_jax.Orthogonal`
   on each masked-in leaf (default: ``ndim >= 2``).
   """
-  orthogonal = Orthogonal(tolerance=tolerance, max_iterations=max_iterations, projection=projection)
+  orthogonal = Orthogonal(tolerance=tolerance, max_iterations=max_iterations, projection=projection, loop=loop)
   return _constraints_per_leaf(owner, mask, lambda *_: orthogonal)
 
 
@@ -192,6 +193,7 @@ def o_cola_od(
   tolerance: float = 1e-6,
   max_iterations: int = 20,
   projection: str = "quasi_newton",
+  loop: str = "while",
 ) -> optax.GradientTransformation:
   """o-CoLA-od: overdamped Langevin with orthonormal weight matrices and kernels.
 
@@ -205,6 +207,8 @@ def o_cola_od(
     tolerance: projection tolerance on ``max |Q^T Q - I|``.
     max_iterations: bound on quasi-Newton iterations per projection.
     projection: the solver of the projection, as for :class:`cola_jax.Orthogonal`.
+    loop: ``"while"`` or ``"fixed"`` (no host round trips), as for
+      :class:`cola_jax.Orthogonal`.
 
   Returns:
     An ``optax.GradientTransformation``, :func:`cola_jax.cola_od` with :class:`cola_jax.Orthogonal` constraints.
@@ -212,7 +216,12 @@ def o_cola_od(
     parameters off the manifold), and its ``update`` needs ``params``.
   """
   constraints = orthogonal_constraints(
-    mask=mask, tolerance=tolerance, max_iterations=max_iterations, projection=projection, owner="o_cola_od"
+    mask=mask,
+    tolerance=tolerance,
+    max_iterations=max_iterations,
+    projection=projection,
+    loop=loop,
+    owner="o_cola_od",
   )
   with called_as("o_cola_od"):
     return cola_od(learning_rate, constraints=constraints, temperature=temperature, key=key)
@@ -229,6 +238,7 @@ def o_cola_ud(
   max_iterations: int = 20,
   splitting: str = "OBA",
   projection: str = "quasi_newton",
+  loop: str = "while",
   momentum_dtype: Any = None,
 ) -> optax.GradientTransformation:
   """o-CoLA-ud: underdamped Langevin (OBA, RATTLE A step) with orthonormal weights.
@@ -245,6 +255,8 @@ def o_cola_ud(
     tolerance: projection tolerance on ``max |Q^T Q - I|``.
     max_iterations: bound on quasi-Newton iterations per projection.
     projection: the solver of the projection, as for :class:`cola_jax.Orthogonal`.
+    loop: ``"while"`` or ``"fixed"`` (no host round trips), as for
+      :class:`cola_jax.Orthogonal`.
     momentum_dtype: the momenta's stored dtype; see :func:`cola_jax.cola_ud`.
 
   Returns:
@@ -253,7 +265,12 @@ def o_cola_ud(
     parameters off the manifold), and its ``update`` needs ``params``.
   """
   constraints = orthogonal_constraints(
-    mask=mask, tolerance=tolerance, max_iterations=max_iterations, projection=projection, owner="o_cola_ud"
+    mask=mask,
+    tolerance=tolerance,
+    max_iterations=max_iterations,
+    projection=projection,
+    loop=loop,
+    owner="o_cola_ud",
   )
   with called_as("o_cola_ud"):
     return cola_ud(

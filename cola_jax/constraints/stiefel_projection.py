@@ -62,6 +62,15 @@ does not change: a step with ``|A|_2 > 1`` has no point of the manifold along
 the normal space at ``Q_n`` (for any shape; all three solvers then diverge or
 stall). :func:`tangential_norm_bound` gives a cheap lower bound of ``|A|_2``
 to detect it before iterating.
+
+Loops. By default (``fixed=False``) each loop is a ``lax.while_loop`` that
+stops as soon as its test says so: the least work, but on a GPU each
+iteration's test is read by the host before the next one starts. With
+``fixed=True`` each loop runs its bound (``max_iterations``, ``max_sweeps``) as
+a ``lax.fori_loop`` of static length whose iterations leave the carry as it is
+once the test fails: the same iterates, counts and flags (the same arithmetic,
+selected), no test read by the host, at the price of always doing the bound's
+work (see :class:`~cola_jax.Orthogonal`'s ``loop`` for what it costs on a GPU).
 """
 
 from typing import NamedTuple
@@ -70,7 +79,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cola_jax._numerics import explicit_sharding, max_abs
+from cola_jax._numerics import bounded_while_loop, explicit_sharding, max_abs
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -129,7 +138,7 @@ def defect(q, norm="fro"):
   return _size(gram(q, q) - jnp.eye(q.shape[1], dtype=q.dtype), norm)
 
 
-def _finish(q_n, q, tolerance, max_iterations, norm, used):
+def _finish(q_n, q, tolerance, max_iterations, norm, used, fixed):
   """Quasi-Newton steps on the ``(r, s)`` matrix until the tolerance is met."""
   eye = jnp.eye(q.shape[1], dtype=q.dtype)
 
@@ -142,7 +151,7 @@ def _finish(q_n, q, tolerance, max_iterations, norm, used):
     q = q - 0.5 * _mm(q_n, f)
     return q, gram(q, q) - eye, k + 1
 
-  q, f, k = jax.lax.while_loop(not_done, step, (q, gram(q, q) - eye, used))
+  q, f, k = bounded_while_loop(not_done, step, (q, gram(q, q) - eye, used), max_iterations, fixed)
   return Projection(q, k, _size(f, norm) <= tolerance)
 
 
@@ -168,13 +177,13 @@ def tangential_norm_bound(q_n, q_bar):
   return jnp.sqrt(jnp.maximum(av2 / v2, aav2 / jnp.where(av2 > 0, av2, 1)))
 
 
-def quasi_newton_projection(q_n, q_bar, tolerance=1e-5, max_iterations=100, norm="fro"):
+def quasi_newton_projection(q_n, q_bar, tolerance=1e-5, max_iterations=100, norm="fro", fixed=False):
   r"""The paper's iteration ``Q <- Q - 1/2 Q_n (Q^T Q - I)`` from ``Q = Q_bar``.
 
   Two ``(r, s) x (s, s)`` products per iteration; stops once
   ``|Q^T Q - I| <= tolerance`` or after ``max_iterations``.
   """
-  return _finish(q_n, q_bar, tolerance, max_iterations, norm, jnp.zeros((), jnp.int32))
+  return _finish(q_n, q_bar, tolerance, max_iterations, norm, jnp.zeros((), jnp.int32), fixed)
 
 
 def _reduce(q_n, q_bar):
@@ -184,7 +193,9 @@ def _reduce(q_n, q_bar):
   return c, k
 
 
-def newton_multiplier_projection(q_n, q_bar, tolerance=1e-5, max_iterations=100, norm="fro", max_sweeps=30):
+def newton_multiplier_projection(
+  q_n, q_bar, tolerance=1e-5, max_iterations=100, norm="fro", max_sweeps=30, fixed=False
+):
   r"""Newton's method for the symmetric multiplier, in ``s x s`` space.
 
   From ``X = C`` (``Lambda = 0``, the paper's starting point) each step solves
@@ -216,7 +227,7 @@ def newton_multiplier_projection(q_n, q_bar, tolerance=1e-5, max_iterations=100,
       new = 0.5 * (f - m - m.T)
       return new, _size(new - e, "fro"), j + 1
 
-    e, _, _ = jax.lax.while_loop(not_done, sweep, (0.5 * f, jnp.inf, jnp.zeros((), jnp.int32)))
+    e, _, _ = bounded_while_loop(not_done, sweep, (0.5 * f, jnp.inf, jnp.zeros((), jnp.int32)), max_sweeps, fixed)
     return e
 
   def not_done(carry):
@@ -228,12 +239,12 @@ def newton_multiplier_projection(q_n, q_bar, tolerance=1e-5, max_iterations=100,
     x = x - lyapunov(x, f)
     return x, residual(x), k + 1
 
-  x, _, k = jax.lax.while_loop(not_done, newton, (c, residual(c), jnp.zeros((), jnp.int32)))
+  x, _, k = bounded_while_loop(not_done, newton, (c, residual(c), jnp.zeros((), jnp.int32)), max_iterations, fixed)
   multiplier = _sym(c - x)
-  return _finish(q_n, q_bar - _mm(q_n, multiplier), tolerance, max_iterations, norm, k)
+  return _finish(q_n, q_bar - _mm(q_n, multiplier), tolerance, max_iterations, norm, k, fixed)
 
 
-def square_root_projection(q_n, q_bar, tolerance=1e-5, max_iterations=100, norm="fro"):
+def square_root_projection(q_n, q_bar, tolerance=1e-5, max_iterations=100, norm="fro", fixed=False):
   r"""The commuting closed form ``X = A + (I - P)^{1/2}``, then chord steps.
 
   ``A = skew(C)``, ``P = I - K + A^T A``. The series
@@ -264,7 +275,8 @@ def square_root_projection(q_n, q_bar, tolerance=1e-5, max_iterations=100, norm=
     return s + term, term, new_size, new_size / size, k
 
   one = jnp.ones((), p.dtype)
-  s, _, _, _, k = jax.lax.while_loop(more_terms, add_term, (eye, eye, one, one, jnp.zeros((), jnp.int32)))
+  start = (eye, eye, one, one, jnp.zeros((), jnp.int32))
+  s, _, _, _, k = bounded_while_loop(more_terms, add_term, start, max_iterations, fixed)
   s = _sym(s)
   if q_n.shape[0] > q_n.shape[1]:  # square: K = I up to the anchor's rounding, nothing left
     residual = lambda s: _sym(_mm(s - a, s + a)) - k_mat
@@ -278,6 +290,6 @@ def square_root_projection(q_n, q_bar, tolerance=1e-5, max_iterations=100, norm=
       s = s - 0.5 * f
       return s, residual(s), k + 1
 
-    s, _, k = jax.lax.while_loop(not_done, chord, (s, residual(s), k))
+    s, _, k = bounded_while_loop(not_done, chord, (s, residual(s), k), max_iterations, fixed)
   multiplier = _sym(c) - s
-  return _finish(q_n, q_bar - _mm(q_n, multiplier), tolerance, max_iterations, norm, k)
+  return _finish(q_n, q_bar - _mm(q_n, multiplier), tolerance, max_iterations, norm, k, fixed)
