@@ -44,7 +44,9 @@ def _has_while(fn, *args):
   return "while[" in str(jax.make_jaxpr(fn)(*args))
 
 
-@pytest.mark.parametrize("solver", SOLVERS)
+@pytest.mark.parametrize(
+  "solver", [pytest.param(s, marks=() if s == "quasi_newton" else pytest.mark.slow) for s in SOLVERS]
+)
 @pytest.mark.parametrize("shape", [(24, 24), (40, 16)], ids=["square", "tall"])
 def test_fixed_loops_reach_the_while_loops_point_iterations_and_flag(solver, shape):
   q_n, steps = _start_and_steps(shape)

@@ -48,7 +48,9 @@ def run(tx, params, steps=20):
     ),
   ],
 )
-@pytest.mark.parametrize("shared_noise", [False, True], ids=["own_keys", "shared_noise"])
+@pytest.mark.parametrize(
+  "shared_noise", [pytest.param(False, id="own_keys"), pytest.param(True, id="shared_noise", marks=pytest.mark.slow)]
+)
 def test_stacked_equals_leaf_by_leaf(make, shared_noise, monkeypatch):
   # Accelerators stack and keep each leaf's key (own_keys); XLA:CPU shares a group's noise.
   params = deep_params(jax.random.key(0))
