@@ -1,6 +1,7 @@
 """Elementwise numerics shared by the constraints."""
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -210,7 +211,12 @@ def angle_gate_as_select() -> bool:
   return jax.default_backend() != "cpu"
 
 
-def bounded_while_loop(not_done, step, init, bound: int, fixed: bool):
+Carry = TypeVar("Carry")
+
+
+def bounded_while_loop(
+  not_done: Callable[[Carry], Any], step: Callable[[Carry], Carry], init: Carry, bound: int, fixed: bool
+) -> Carry:
   """``lax.while_loop(not_done, step, init)``, or with ``fixed`` its masked form of ``bound`` iterations.
 
   The masked form is a ``lax.fori_loop`` of static length whose iterations
