@@ -21,7 +21,7 @@ draw costs, against its compile-time gain.
 
 Usage::
 
-  OPENBLAS_NUM_THREADS=1 python benchmarks/update_memory.py                 # depth 12, width 512: ~10 min on 2 cores
+  OPENBLAS_NUM_THREADS=1 python benchmarks/update_memory.py                 # depth 12, width 512: 30-60 min on 2 cores
   python benchmarks/update_memory.py --setting leaves --leaves 4            # seconds
   python benchmarks/update_memory.py --smoke                                # a 1-block model, a temporary folder
 
