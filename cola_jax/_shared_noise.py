@@ -25,6 +25,11 @@ import numpy as np
 from cola_jax._numerics import computed_together
 
 _ACTIVE = threading.local()
+# Box-Muller hashes per pass of a draw: XLA:CPU splits a pass of 12 (24 arrays)
+# into pieces and writes their intermediates to memory (measured on the
+# 12-block transformer of benchmarks/update_memory.py: circle-od's temporaries
+# 764 MB instead of 386 MB).
+_HASHES_PER_PASS = 6
 
 
 class Request(NamedTuple):
@@ -70,9 +75,11 @@ def draw(key: jax.Array, made: Sequence[Request], members: int) -> list[list[tup
   """For each member, for each request, its arrays: every request drawn once for all members.
 
   A request's ``members * arrays`` arrays come from one Box-Muller draw of
-  half as many (:func:`~cola_jax._noise.normal_pair`, both halves computed in
-  one pass), written to memory once, so that the consumers of each member read
-  its slice instead of hashing again.
+  half as many (:func:`~cola_jax._noise.normal_pair`, both numbers of a hash
+  computed in one pass), written to memory once, so that the consumers of each
+  member read its arrays instead of hashing again. Each array is a buffer of
+  its own, freed once its member has been updated: the group's noise does not
+  stay in memory until its last member's gradient exists.
   """
   from cola_jax import _noise  # which imports this module for intercept()
 
@@ -81,8 +88,12 @@ def draw(key: jax.Array, made: Sequence[Request], members: int) -> list[list[tup
     count = members * request.arrays
     half = math.ceil(count / 2)
     first, second = _noise.normal_pair(jax.random.fold_in(key, index), (half, *request.shape), request.dtype)
-    first, second = jax.lax.optimization_barrier(computed_together(first, second))
-    arrays = [first[i] if i < half else second[i - half] for i in range(count)]
+    arrays = [None] * count
+    for start in range(0, half, _HASHES_PER_PASS):
+      chunk = [i for j in range(start, min(start + _HASHES_PER_PASS, half)) for i in (j, j + half) if i < count]
+      slices = [first[i] if i < half else second[i - half] for i in chunk]
+      for i, array in zip(chunk, jax.lax.optimization_barrier(computed_together(*slices))):
+        arrays[i] = array
     per_request.append([tuple(arrays[m * request.arrays : (m + 1) * request.arrays]) for m in range(members)])
   return [[drawn[m] for drawn in per_request] for m in range(members)]
 

@@ -214,7 +214,7 @@ class NonNegative(Constraint):
     if sharding is not None:  # the pair axis in front, unsharded
       sharding = sharding.update(spec=jax.sharding.PartitionSpec(None, *sharding.spec))
     noise = _noise.normal(key, (2,) + w.shape, w.dtype, out_sharding=sharding)
-    return computed_together(noise[0], noise[1])
+    return noise[0], noise[1]
 
   def project(self, anchor, step):
     w0, s0 = anchor
