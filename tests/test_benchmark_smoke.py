@@ -15,6 +15,7 @@ def step_overhead(load_benchmark):
   return load_benchmark("step_overhead")
 
 
+@pytest.mark.slow  # a long run: the quick suite keeps within its time
 def test_smoke_run_writes_the_documented_report(step_overhead, tmp_path):
   pytest.importorskip("matplotlib")
   returned = step_overhead.main(["--smoke", "--no-progress", "--out", str(tmp_path)])

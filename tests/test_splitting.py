@@ -38,6 +38,7 @@ def sampled_mean(splitting, h, gamma, *, chains=100_000, burn_in=400, kept=400):
   return blocks.mean(), blocks.std(ddof=1) / np.sqrt(len(blocks))
 
 
+@pytest.mark.slow  # a long run: the quick suite keeps within its time
 def test_baoab_samples_configurations_more_accurately_than_oba():
   # h = 0.2, gamma = 2: OBA's bias in E[theta] is linear in gamma h (measured +0.0118);
   # BAOAB's is below the sampling error (measured 6e-5, standard error 8e-5).

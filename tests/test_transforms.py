@@ -178,6 +178,7 @@ def test_inject_hyperparams_matches_the_plain_transform(mlp_problem):
   assert float(cola.constraint_residuals(a, state)["layer1"]["w"]) < 1e-5
 
 
+@pytest.mark.slow  # a long run: the quick suite keeps within its time
 def test_inject_hyperparams_schedule_anneals_temperature_to_zero(mlp_problem):
   params, loss = mlp_problem
   schedule = optax.linear_schedule(1e-3, 0.0, transition_steps=5)
