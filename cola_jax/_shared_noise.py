@@ -100,7 +100,13 @@ def draw(key: jax.Array, made: Sequence[Request], members: int) -> list[list[tup
 
 @contextlib.contextmanager
 def serving(made: Sequence[Request], drawn: Sequence[tuple[jax.Array, ...]]) -> Iterator[None]:
-  """Answers the draws made inside, in order, with ``drawn`` (one member's arrays of :func:`draw`)."""
+  """Answers the draws made inside, in order, with ``drawn`` (one member's arrays of :func:`draw`).
+
+  With nothing recorded (noise not shared) the draws inside use their own keys.
+  """
+  if not made:
+    yield
+    return
   queue = list(zip(made, drawn))
 
   def serve(request: Request):

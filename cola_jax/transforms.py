@@ -193,8 +193,6 @@ def _map_leaves(n_outputs, leaf_step, constraints, params, *columns, keys) -> tu
     drawn = _shared_noise.draw(keys[members[0]], made, len(members)) if made else [[]] * len(members)
 
     def served_step(draws, *args):
-      if not made:  # each member draws with its own key
-        return step(*args)
       with _shared_noise.serving(made, draws):
         return step(*args)
 
