@@ -303,6 +303,19 @@ def plot(results, params_bytes: int, path: str) -> None:
   plt.close(fig)
 
 
+def transformer(args) -> TransformerLM:
+  """The model of ``--depth``, ``--width`` (``width / 64`` heads, at least 1), ``--vocab`` and ``--scan``."""
+  return TransformerLM(
+    vocab_size=args.vocab,
+    d_model=args.width,
+    n_heads=max(1, args.width // 64),
+    d_ff=4 * args.width,
+    n_layers=args.depth,
+    dropout=0.0,
+    scan_layers=args.scan,
+  )
+
+
 def parse_args(argv=None):
   p = speed_parser(__doc__, "a 1-block width-32 model, a few repetitions: a check that runs in seconds")
   p.add_argument("--depth", type=int, default=12, help="transformer blocks")
@@ -352,16 +365,8 @@ def main(argv=None) -> dict:
       setattr(args, key, value)
     args.repetitions, args.budget = min(args.repetitions, 2), 0.5
   args.out = report.output_dir(args.out or (None if args.smoke else "results/"), "scale")
-  heads = max(1, args.width // 64)
-  model = TransformerLM(
-    vocab_size=args.vocab,
-    d_model=args.width,
-    n_heads=heads,
-    d_ff=4 * args.width,
-    n_layers=args.depth,
-    dropout=0.0,
-    scan_layers=args.scan,
-  )
+  model = transformer(args)
+  heads = model.n_heads
   key_params, key_tokens = jax.random.split(jax.random.key(args.seed))
   tokens = {
     size: jax.random.randint(jax.random.fold_in(key_tokens, i), batch_shape(getattr(args, size)), 0, args.vocab)

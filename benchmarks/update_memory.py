@@ -53,7 +53,6 @@ import scale
 from _common import provenance, write_json
 from harness import report
 from harness.timing import compile_cost, speed_parser, target_lines, tree_bytes
-from harness.transformer import TransformerLM
 
 RESULT_KEYS = (
   "name",
@@ -202,20 +201,17 @@ def main(argv=None) -> dict:
   args.out = report.output_dir(args.out or (None if args.smoke else "results/"), "update_memory")
   key_params, key_tokens = jax.random.split(jax.random.key(args.seed))
   if args.setting == "model":
-    heads = max(1, args.width // 64)
-    model = TransformerLM(
-      vocab_size=args.vocab,
-      d_model=args.width,
-      n_heads=heads,
-      d_ff=4 * args.width,
-      n_layers=args.depth,
-      dropout=0.0,
-      scan_layers=args.scan,
-    )
+    model = scale.transformer(args)
     tokens = jax.random.randint(key_tokens, scale.batch_shape(args.batch), 0, args.vocab)
     params = jax.jit(lambda k: model.init(k, tokens[:, :-1])["params"])(key_params)
     setting = {"kind": "model", "model": model, "tokens": tokens, "params": params}
-    described = {"depth": args.depth, "width": args.width, "heads": heads, "vocab": args.vocab, "scan": args.scan}
+    described = {
+      "depth": args.depth,
+      "width": args.width,
+      "heads": model.n_heads,
+      "vocab": args.vocab,
+      "scan": args.scan,
+    }
     described |= {"batch": args.batch, "parameters": tree_bytes(params) // 4}
   else:
     shape = tuple(int(n) for n in args.leaf_shape.split("x"))
