@@ -13,7 +13,8 @@ costs only its compile time):
   gradients an argument): the temporaries of the update alone, in leaf sizes.
 
 Measured per method: the optimizer state's bytes and ``compiled.memory_analysis()``
-(temporary, argument, output and aliased bytes), the compile's CPU seconds.
+(temporary, argument, output and aliased bytes), the compile's CPU seconds and
+the compiled program's fusions (kernels) and while loops.
 Target (issue 22, model setting): state + temporaries at most Adam's + the
 parameters' bytes. ``--no-shared-noise`` gives every leaf its own noise (the
 grouped draw of ``cola_jax._shared_noise`` off): the memory that the grouped
@@ -30,7 +31,9 @@ Writes ``--json`` (default ``update_memory.json``) under ``--out``. JSON keys:
 commit), ``config``, ``params_bytes``, ``results`` (one record per method:
 ``name``, ``family``, ``dynamics``, ``temperature``, ``state_bytes``,
 ``temp_bytes``, ``argument_bytes``, ``output_bytes``, ``alias_bytes``,
-``compile_cpu_s``), ``targets`` (model setting: ``name``, ``value``, ``limit``, ``met``).
+``compile_cpu_s``, ``fusions`` and ``while_loops``: the compiled program's
+kernels and loops, which its compile time follows), ``targets`` (model setting:
+``name``, ``value``, ``limit``, ``met``).
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ RESULT_KEYS = (
   "output_bytes",
   "alias_bytes",
   "compile_cpu_s",
+  "fusions",
+  "while_loops",
 )
 
 
@@ -149,7 +154,7 @@ def targets_from(results, params_bytes: int) -> list[dict]:
 
 
 def table(results, unit: float, unit_name: str) -> str:
-  header = ("method", "tau", "state", "temporaries", "state + temporaries", "compile CPU s")
+  header = ("method", "tau", "state", "temporaries", "state + temporaries", "compile CPU s", "fusions", "while loops")
   lines = [
     (
       r["name"],
@@ -158,6 +163,8 @@ def table(results, unit: float, unit_name: str) -> str:
       f"{r['temp_bytes'] / unit:.1f}",
       f"{(r['state_bytes'] + r['temp_bytes']) / unit:.1f}",
       f"{r['compile_cpu_s']:.1f}",
+      str(r["fusions"]),
+      str(r["while_loops"]),
     )
     for r in results
   ]
@@ -243,7 +250,8 @@ def main(argv=None) -> dict:
     r = results[-1]
     print(
       f"{r['name']:24s} state {r['state_bytes'] / 1e6:6.1f} MB, temporaries {r['temp_bytes'] / 1e6:6.1f} MB "
-      f"({r['temp_bytes'] / leaf_bytes:.2f} leaves), compile {r['compile_cpu_s']:.1f} CPU s",
+      f"({r['temp_bytes'] / leaf_bytes:.2f} leaves), compile {r['compile_cpu_s']:.1f} CPU s, "
+      f"{r['fusions']} fusions, {r['while_loops']} while loops",
       flush=True,
     )
     result = {  # written after every method: an interrupted run keeps what it measured

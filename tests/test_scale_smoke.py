@@ -69,3 +69,18 @@ def test_bad_batch_is_a_usage_error(scale, capsys):
     scale.parse_args(["--large", "8by128"])
   assert exit_info.value.code == 2
   assert "--large must be BATCHxLENGTH" in capsys.readouterr().err
+
+
+def test_update_memory_counts_the_kernels_that_compile_time_follows(load_benchmark, tmp_path):
+  update_memory = load_benchmark("update_memory")
+  update_memory.main(
+    ["--smoke", "--setting", "leaves", "--families", "circle", "orthogonal", "--dynamics", "od", "--out", str(tmp_path)]
+  )
+
+  with open(tmp_path / "update_memory.json") as f:
+    results = {r["name"]: r for r in json.load(f)["results"]}
+  assert set(update_memory.RESULT_KEYS) <= set(results["od_orthogonal"])
+  # SGD-m's update is one loop-free pass per leaf; the orthogonal projection iterates per leaf.
+  assert results["sgd_m"]["while_loops"] == 0
+  assert results["od_orthogonal"]["while_loops"] >= 2  # one per leaf at least (2 leaves)
+  assert 0 < results["sgd_m"]["fusions"] < results["od_circle"]["fusions"] < results["od_orthogonal"]["fusions"]

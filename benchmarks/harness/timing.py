@@ -8,6 +8,7 @@ call, and the reported figure is a median.
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from collections.abc import Callable, Sequence
 
@@ -83,7 +84,8 @@ def compile_cost(jitted, *args) -> tuple[object, dict]:
   """``jitted.lower(*args).compile()`` and what it cost: ``lower_s``, ``compile_s`` (seconds, wall
   clock), ``lower_cpu_s``, ``compile_cpu_s`` (this process's CPU seconds: on a shared machine the
   steadier measure) and XLA's ``memory_analysis()`` in bytes (``argument``, ``output``, ``alias``,
-  ``temp``; None where the backend reports none)."""
+  ``temp``; None where the backend reports none), and the compiled program's size: ``fusions``
+  (fusion instructions, each compiled to a kernel of its own) and ``while_loops``."""
   t0, c0 = time.perf_counter(), time.process_time()
   lowered = jitted.lower(*args)
   t1, c1 = time.perf_counter(), time.process_time()
@@ -93,6 +95,9 @@ def compile_cost(jitted, *args) -> tuple[object, dict]:
   memory = compiled.memory_analysis()
   for name in ("argument", "output", "alias", "temp"):
     cost[f"{name}_bytes"] = None if memory is None else int(getattr(memory, f"{name}_size_in_bytes"))
+  text = compiled.as_text() or ""
+  cost["fusions"] = len(re.findall(r" fusion\(", text))
+  cost["while_loops"] = len(re.findall(r" while\(", text))
   return compiled, cost
 
 
