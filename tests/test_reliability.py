@@ -289,3 +289,26 @@ def test_orthogonal_rnn_at_a_large_step_keeps_its_recurrent_matrix_orthonormal()
       assert np.abs(w.T @ w - np.eye(64)).max() <= 1e-5, i
     else:
       assert _shows(params, state, "recurrent"), i
+
+
+def test_small_steps_skip_the_root_bound_and_agree_with_it():
+  # |D|_F <= 1/2 answers "a root may exist" without the power steps; the fixed form always runs them.
+  rng = np.random.default_rng(3)
+  q_n = jnp.linalg.qr(jnp.asarray(rng.normal(size=(32, 8)), jnp.float32))[0]
+  a = rng.normal(size=(8, 8)).astype(np.float32)
+  tangential = jnp.asarray(q_n @ ((a - a.T) / np.linalg.norm(a - a.T, 2)))  # |skew(Q_n^T D)|_2 = 1 per unit size
+  random = jnp.asarray(rng.normal(size=(32, 8)), jnp.float32)
+  random = random / jnp.linalg.norm(random)
+  constraint = cola.Orthogonal()
+  has_root = jax.jit(constraint._has_root, static_argnums=2)
+  for direction in (tangential, random):
+    for size in (1e-3, 0.1, 0.5, 0.6, 1.5, 3.0, np.inf, np.nan):
+      step = direction * np.float32(size)
+      fast, full = bool(has_root(q_n, step, False)), bool(has_root(q_n, step, True))
+      assert fast == full, (size, fast, full)
+      frobenius = size * float(jnp.linalg.norm(direction))
+      if frobenius <= 0.5:
+        assert fast
+  # A tangential step of spectral norm 1.5 or 3 has no root (and the bound finds it); non-finite steps neither.
+  for size in (1.5, 3.0, np.inf, np.nan):
+    assert not bool(has_root(q_n, tangential * np.float32(size), False))

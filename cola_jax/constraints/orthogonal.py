@@ -383,17 +383,26 @@ class Orthogonal(Constraint):
   def ambient_normal(self, key, point):
     return _noise.normal(key, point.matrix.shape, point.matrix.dtype, out_sharding=explicit_sharding(point.matrix))
 
-  def _has_root(self, q_n, moved):
+  def _has_root(self, q_n, step, fixed: bool):
     """False where the step provably has no root along the normal space at ``Q_n`` (or is not finite).
 
     A root ``Q`` has ``|A|_2 <= |Q_n|_2 |Q|_2`` (see
     :func:`~cola_jax.constraints.stiefel_projection.tangential_norm_bound`);
     the anchor's defect (at most ``reproject_above`` per entry) and the root's
     (``tolerance``) enter that product through ``|Q|_2^2 <= 1 + s |Q^T Q - I|_max``.
+    A step ``D`` with ``|D|_F <= 1/2`` needs no bound: ``Q_n^T Q_n`` is
+    symmetric, so ``|A|_2 = |skew(Q_n^T D)|_2 <= |Q_n|_2 |D|_F``, a quarter of
+    the limit at most. Training steps are that small: one fused pass over the
+    step then replaces the bound's eight matrix-vector products (with
+    ``fixed``, no branch: the bound is always computed).
     """
     s = q_n.shape[1]
     bound = (1 + s * self.tolerance) * (1 + s * self.reproject_above)
-    return stiefel_projection.tangential_norm_bound(q_n, moved) ** 2 <= bound
+    has_root = lambda: stiefel_projection.tangential_norm_bound(q_n, q_n + step) ** 2 <= bound
+    if fixed:
+      return has_root()
+    small = jnp.sum(step * step) <= 0.25  # NaN and inf: False, and the bound shows them
+    return jax.lax.cond(small, lambda: jnp.array(True), has_root)
 
   @_per_matrix(0)
   def project(self, anchor, step):
@@ -407,7 +416,7 @@ class Orthogonal(Constraint):
     q, k, converged, _ = bounded_while_loop(
       lambda carry: carry[3],
       lambda carry: (*solve(anchor.matrix, moved), jnp.array(False)),
-      (moved, jnp.zeros((), jnp.int32), jnp.array(False), self._has_root(anchor.matrix, moved)),
+      (moved, jnp.zeros((), jnp.int32), jnp.array(False), self._has_root(anchor.matrix, step, fixed)),
       1,
       fixed,
     )
