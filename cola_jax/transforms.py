@@ -216,6 +216,10 @@ def _sharing_noise_pays() -> bool:
   stack the leaves that pay for it; with several devices each leaf keeps its
   key, so that a sharded run draws what an unsharded one does.
   """
+  return _on_one_cpu_device()
+
+
+def _on_one_cpu_device() -> bool:
   return jax.default_backend() == "cpu" and jax.device_count() == 1
 
 
@@ -233,7 +237,7 @@ def _after_gradient(grad: jax.Array, tree):
   compiler cannot fold. Elsewhere (a slice of a sharded gradient would move
   data between devices) the tree is returned as it is.
   """
-  if not _sharing_noise_pays() or grad.size == 0:
+  if not _on_one_cpu_device() or grad.size == 0:
     return tree
   sign = jax.lax.bitcast_convert_type(grad.reshape(-1)[0].astype(jnp.float32), jnp.uint32) & np.uint32(2**31)
   negative_zero = jax.lax.bitcast_convert_type(sign | np.uint32(2**31), jnp.float32)
