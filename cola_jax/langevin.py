@@ -97,9 +97,23 @@ def oba_step(
   noise_scale=None,
   key: jax.Array | None = None,
 ) -> tuple[Point, Momentum]:
-  """One underdamped step in the paper's order: O, then B, then A."""
-  momentum = o_step(constraint, point, momentum, decay, noise_scale, key)
-  momentum = b_step(constraint, point, momentum, grad, h)
+  """One underdamped step in the paper's order: O, then B, then A.
+
+  Where the geometry says so (``constraint.project_noise_with_force``), O's
+  noise and B's force are projected onto the cotangent space in one go,
+  ``e^{-gamma h} p + Pi(q)(noise_scale R - h grad V(q))``: the same momentum
+  up to rounding (``p`` is cotangent and ``Pi(q)`` linear), one projection
+  instead of two.
+  """
+  if key is not None and constraint.project_noise_with_force:
+    force = jax.tree.map(
+      lambda r, g: noise_scale * r - h * g,
+      constraint.ambient_normal(key, point),
+      constraint.ambient_gradient(point, grad),
+    )
+    momentum = jax.tree.map(lambda p, f: decay * p + f, momentum, constraint.cotangent(point, force))
+  else:
+    momentum = b_step(constraint, point, o_step(constraint, point, momentum, decay, noise_scale, key), grad, h)
   return a_step(constraint, point, momentum, h)
 
 

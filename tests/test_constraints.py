@@ -214,3 +214,41 @@ def test_faster_projections_follow_the_papers_trajectory(projection):
 def test_unknown_projection_is_an_error():
   with pytest.raises(ValueError, match="projection must be one of"):
     cola.Orthogonal(projection="svd")
+
+
+@pytest.mark.parametrize(
+  "constraint, shape",
+  [
+    (cola.Orthogonal(), (6, 4)),
+    pytest.param(cola.Orthogonal(), (3, 5), marks=pytest.mark.slow),
+    pytest.param(cola.UnitNorm(2.0), (5, 3), marks=pytest.mark.slow),
+    pytest.param(
+      cola.Implicit(equality=lambda u: jnp.stack([jnp.sum(u), jnp.sum(u * u) - 1]), axis=0),
+      (4, 3),
+      marks=pytest.mark.slow,
+    ),
+  ],
+)
+def test_noise_and_force_projected_together_give_o_then_b(constraint, shape):
+  """One cotangent projection of noise and force is O followed by B: ``Pi(q)`` is linear."""
+  assert constraint.project_noise_with_force
+  param = constraint.nearest(jax.random.normal(jax.random.key(0), shape))
+  point = constraint.point(param, constraint.init(param))
+  grad = jax.random.normal(jax.random.key(1), shape)
+  ambient = constraint.ambient_gradient(point, grad)
+  momentum = constraint.cotangent(point, jax.tree.map(lambda g: jnp.sin(3 * g), ambient))
+  h, decay, scale, key = 0.05, 0.8, 0.3, jax.random.key(2)
+
+  joint = jax.jit(lambda *args: langevin.oba_step(constraint, *args))
+  moved, moved_momentum = joint(point, momentum, grad, h, decay, scale, key)
+
+  @jax.jit
+  def o_then_b_then_a(point, momentum, grad, h, decay, scale, key):
+    momentum = langevin.o_step(constraint, point, momentum, decay, scale, key)
+    return langevin.a_step(constraint, point, langevin.b_step(constraint, point, momentum, grad, h), h)
+
+  expected_point, expected_momentum = o_then_b_then_a(point, momentum, grad, h, decay, scale, key)
+  np.testing.assert_allclose(moved_momentum, expected_momentum, rtol=1e-4, atol=1e-5)
+  for got, want in zip(jax.tree.leaves(moved), jax.tree.leaves(expected_point)):
+    if jnp.issubdtype(got.dtype, jnp.floating):
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -36,6 +36,11 @@ class Constraint(abc.ABC):
   # worth it when a step is a loop of small dense products (one batched loop
   # instead of one per leaf), not for elementwise geometries.
   stack_same_shape: ClassVar[bool] = False
+  # Whether CoLA-ud's O and B steps project the noise and the force onto the
+  # cotangent space together (the projection is linear): worth it where a
+  # projection costs products or a solve, not where the noise is drawn in
+  # cotangent coordinates directly.
+  project_noise_with_force: ClassVar[bool] = False
 
   def validate(self, param: jax.Array, path: str) -> None:
     """Raises ValueError naming ``path`` if the leaf cannot carry this constraint."""

@@ -417,6 +417,7 @@ class Implicit(Constraint):
   loop: str = "while"
 
   stack_same_shape = True  # small dense solves in loops: batch same-shape leaves
+  project_noise_with_force = True
 
   def __post_init__(self):
     for name in ("equality", "inequality"):

@@ -300,6 +300,7 @@ class Orthogonal(Constraint):
   loop: str = "while"
 
   stack_same_shape = True
+  project_noise_with_force = True
 
   def __post_init__(self):
     check_positive("Orthogonal", "tolerance", self.tolerance)
