@@ -84,3 +84,50 @@ def test_update_memory_counts_the_kernels_that_compile_time_follows(load_benchma
   assert results["sgd_m"]["while_loops"] == 0
   assert results["od_orthogonal"]["while_loops"] >= 2  # one per leaf at least (2 leaves)
   assert 0 < results["sgd_m"]["fusions"] < results["od_circle"]["fusions"] < results["od_orthogonal"]["fusions"]
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_orthogonal_floor_appends_exactly_the_products_it_counts(load_benchmark, count):
+  """``sgd_m + k products``: k ``r s^2`` products per constrained block kernel, none elsewhere."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  floor = load_benchmark("orthogonal_floor")
+  params = {
+    "block_0": {"dense": {"kernel": jnp.ones((6, 4)), "bias": jnp.ones(4)}, "wide": {"kernel": jnp.ones((3, 5))}},
+    "decoder": {"kernel": jnp.ones((4, 7))},
+  }
+  tx = floor.with_products(count, optax.sgd(0.1, momentum=0.9))
+  update = lambda grads, state, params: tx.update(grads, state, params)[0]
+  jaxpr = jax.make_jaxpr(update)(params, tx.init(params), params)
+  shapes = [eqn.outvars[0].aval.shape for eqn in jaxpr.eqns if eqn.primitive.name == "dot_general"]
+  dense = [(4, 4) if i % 2 == 0 else (6, 4) for i in range(count)]  # M = Q^T X, then X - Q M
+  wide = [(3, 3) if i % 2 == 0 else (5, 3) for i in range(count)]  # the (3, 5) kernel's tall view is (5, 3)
+  assert sorted(shapes) == sorted(dense + wide)
+  assert floor.kernel_flops(params) == 6 * 4 * 4 + 5 * 3 * 3
+  updates = jax.jit(update)(params, tx.init(params), params)
+  assert jnp.array_equal(updates["decoder"]["kernel"], -0.1 * params["decoder"]["kernel"])
+
+
+@pytest.mark.slow
+def test_orthogonal_floor_smoke_run_writes_its_report(load_benchmark, tmp_path):
+  floor = load_benchmark("orthogonal_floor")
+  returned = floor.main(["--smoke", "--quiet", "--out", str(tmp_path)])
+  with open(tmp_path / "orthogonal_floor.json") as f:
+    report = json.load(f)
+  assert report["results"] == json.loads(json.dumps(returned["results"]))
+  names = [r["name"] for r in report["results"]]
+  assert names == [
+    "sgd_m + 1 products",
+    "sgd_m + 3 products",
+    "o_cola_od",
+    "o_cola_ud",
+    "o_cola_od_noisy",
+    "o_cola_ud_noisy",
+  ]
+  for record in report["results"]:
+    assert record["ratio"] > 0 and record["repetitions"] >= 1
+    iterations = record.get("projection_iterations")
+    assert (iterations is None) == (record["products"] is not None)
+    assert iterations is None or 0 <= iterations[0] <= iterations[1]
