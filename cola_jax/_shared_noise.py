@@ -30,6 +30,12 @@ _ACTIVE = threading.local()
 # 12-block transformer of benchmarks/update_memory.py: circle-od's temporaries
 # 764 MB instead of 386 MB).
 _HASHES_PER_PASS = 6
+# A request whose arrays take at most this many bytes in all is drawn in one
+# pass however many hashes it needs: each pass is a kernel of its own, some
+# tenths of a second to compile, and small intermediates cost nothing wherever
+# XLA writes them (the biases and norms of the 12-block transformer: 74 vectors
+# in one pass instead of 7).
+_ONE_PASS_BYTES = 1 << 22
 
 
 class Request(NamedTuple):
@@ -87,10 +93,12 @@ def draw(key: jax.Array, made: Sequence[Request], members: int) -> list[list[tup
   for index, request in enumerate(made):
     count = members * request.arrays
     half = math.ceil(count / 2)
-    first, second = _noise.normal_pair(jax.random.fold_in(key, index), (half, *request.shape), request.dtype)
+    first, second = _noise.normal_pair(_noise.fold_in(key, index), (half, *request.shape), request.dtype)
     arrays = [None] * count
-    for start in range(0, half, _HASHES_PER_PASS):
-      chunk = [i for j in range(start, min(start + _HASHES_PER_PASS, half)) for i in (j, j + half) if i < count]
+    small = count * math.prod(request.shape) * request.dtype.itemsize <= _ONE_PASS_BYTES
+    per_pass = half if small else _HASHES_PER_PASS
+    for start in range(0, half, per_pass):
+      chunk = [i for j in range(start, min(start + per_pass, half)) for i in (j, j + half) if i < count]
       slices = [first[i] if i < half else second[i - half] for i in chunk]
       for i, array in zip(chunk, jax.lax.optimization_barrier(computed_together(*slices))):
         arrays[i] = array

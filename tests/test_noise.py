@@ -37,6 +37,28 @@ def test_bit_identical_under_vmap_over_keys():
   np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
 
 
+@pytest.mark.parametrize("key_name", sorted(KEYS))
+def test_fold_in_is_jax_random_fold_in_bit_for_bit(key_name):
+  key = KEYS[key_name]()
+  for data in (0, 1, 7, 2**31 + 3, 2**32 - 1):
+    ours = jax.jit(lambda k, data=data: _noise.fold_in(k, data))(key)
+    theirs = jax.random.fold_in(key, data)
+    assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+    if jnp.issubdtype(ours.dtype, jax.dtypes.prng_key):
+      ours, theirs = jax.random.key_data(ours), jax.random.key_data(theirs)
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+def test_a_grouped_draw_folds_its_key_in_without_a_loop():
+  """The shared noise of a group derives its key by a written-out hash: no while loop for it."""
+  params = {f"w{i}": jnp.zeros((6, 5)) for i in range(4)}
+  tx = cola.cola_od(0.1, temperature=1e-3, key=jax.random.key(0))
+  text = jax.jit(tx.update).lower(params, tx.init(params), params).compile().as_text()
+  loops = [line for line in text.splitlines() if " while(" in line]
+  assert loops, "expected the key split's loop (the test would not see a change)"
+  assert not any("u32[1]{0}, u32[1]{0}" in line for line in loops), loops  # a fold-in's loop: one counter
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_other_dtypes_are_jax_random_normal(dtype):
   key = jax.random.key(1)
