@@ -35,8 +35,8 @@ Each test also shows that it can fail: its statistic rejects a wrong answer
 law, the density without the surface-measure factor, a chain stopped too early,
 signed permutation matrices with the right second moments).
 
-``pytest`` runs the quick versions (for orthogonal matrices, the square case);
-``pytest -m slow`` the long ones and the tall and wide quick ones.
+``pytest`` runs the quick versions (for orthogonal matrices, the square case
+with CoLA-ud); ``pytest -m slow`` the long ones and the other quick ones.
 """
 
 import dataclasses
@@ -422,20 +422,25 @@ def _signed_permutations(rng, count, n, p):
   return q[..., :p]
 
 
-# The quick suite samples the square case per method; the tall and wide cases
-# (each as long as the square one) run with the long versions, under -m slow.
+# The quick suite samples the square case with CoLA-ud (its noise projected with
+# the force, its RATTLE step); CoLA-od's, and the tall and wide cases (each as
+# long as the square one), run with the long versions, under -m slow.
 ORTHO_SHAPES = {"tall4x2": (4, 2), "wide2x4": (2, 4), "square3x3": (3, 3)}
 ORTHO_CASES = [
   pytest.param(
-    shape, size, id=f"{name}-{size}", marks=[] if (name, size) == ("square3x3", "quick") else [pytest.mark.slow]
+    method,
+    shape,
+    size,
+    id=f"{method}-{name}-{size}",
+    marks=[] if (method, name, size) == ("ud", "square3x3", "quick") else [pytest.mark.slow],
   )
   for name, shape in ORTHO_SHAPES.items()
   for size in ("quick", "slow")
+  for method in ("od", "ud")
 ]
 
 
-@pytest.mark.parametrize("shape,size", ORTHO_CASES)
-@pytest.mark.parametrize("method", ["od", "ud"])
+@pytest.mark.parametrize("method,shape,size", ORTHO_CASES)
 def test_orthogonal_without_force_samples_haar_moments(method, shape, size):
   cfg = _config(ORTHO_FREE, size, method)
   print(f"\northogonal {shape}, zero gradient, {method} ({size}): {cfg}")

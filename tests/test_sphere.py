@@ -407,9 +407,15 @@ SPHERE_FREE = {
   "quick": dict(r=0.5, tau=0.25, gamma=1.0, units=20_000, od=dict(h=0.01, steps=1_000), ud=dict(h=0.05, steps=400)),
   "slow": dict(r=0.5, tau=0.25, gamma=1.0, units=400_000, od=dict(h=0.01, steps=2_000), ud=dict(h=0.05, steps=800)),
 }
-# Quick: the Dense-like column at the small size; slow: every shape at the large one.
-CASES = [pytest.param(3, "quick", id="3-quick")] + [
-  pytest.param(n, "slow", id=f"{n}-slow", marks=pytest.mark.slow) for n in sorted(SHAPES)
+# Quick: the Dense-like column at the small size with CoLA-ud; slow: CoLA-od's, and
+# every shape at the large size.
+CASES = [
+  pytest.param(method, 3, "quick", id=f"{method}-3-quick", marks=[pytest.mark.slow] if method == "od" else [])
+  for method in ("od", "ud")
+] + [
+  pytest.param(method, n, "slow", id=f"{method}-{n}-slow", marks=pytest.mark.slow)
+  for n in sorted(SHAPES)
+  for method in ("od", "ud")
 ]
 
 
@@ -449,8 +455,7 @@ def _config(size, method):
   return cfg
 
 
-@pytest.mark.parametrize("n, size", CASES)
-@pytest.mark.parametrize("method", ["od", "ud"])
+@pytest.mark.parametrize("method, n, size", CASES)
 def test_without_force_samples_the_uniform_law_on_the_sphere(method, n, size):
   cfg = _config(size, method)
   x = _free_samples(method, cfg, n, cfg["steps"], seed=100 * n + 7)

@@ -42,9 +42,10 @@ def run(tx, params, steps=20):
       id="od",
       marks=pytest.mark.slow,
     ),
-    pytest.param(
+    pytest.param(  # quick: test_axes.py::test_same_shape_leaves_stepped_together_equal_leaf_by_leaf (od)
       lambda: cola.cola_ud(0.1, friction=1.0, constraints=cola.Orthogonal(), temperature=1e-3, key=jax.random.key(1)),
       id="ud",
+      marks=pytest.mark.slow,
     ),
   ],
 )
