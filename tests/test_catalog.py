@@ -549,9 +549,22 @@ def _beta_cdf(n):
   return lambda t: stats.beta.cdf((np.clip(t, -1, 1) + 1) / 2, (n - 1) / 2, (n - 1) / 2)
 
 
-@pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("method", ["od", "ud"])
+# Quick: each dynamics once (od on circles, ud on 4-spheres); the rest under slow.
+UNIT_NORM_CASES = [
+  pytest.param(
+    method,
+    n,
+    size,
+    id=f"{method}-{n}-{size}",
+    marks=[] if (method, n, size) in {("od", 2, "quick"), ("ud", 4, "quick")} else [pytest.mark.slow],
+  )
+  for method in ("od", "ud")
+  for n in (2, 4)
+  for size in ("quick", "slow")
+]
+
+
+@pytest.mark.parametrize("method, n, size", UNIT_NORM_CASES)
 def test_unit_norm_without_force_is_uniform_on_each_sphere(method, n, size):
   r = 0.5
   cfg = UNIT_FREE[size]
@@ -613,8 +626,17 @@ NON_NEGATIVE_FORCE = {
 }
 
 
-@pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("method", ["od", "ud"])
+# Quick: CoLA-ud's; CoLA-od's under slow with the long runs.
+NON_NEGATIVE_CASES = [
+  pytest.param(
+    method, size, id=f"{method}-{size}", marks=[] if (method, size) == ("ud", "quick") else [pytest.mark.slow]
+  )
+  for method in ("od", "ud")
+  for size in ("quick", "slow")
+]
+
+
+@pytest.mark.parametrize("method, size", NON_NEGATIVE_CASES)
 def test_non_negative_with_quadratic_potential_samples_the_derived_density(method, size):
   k, c, tau = 4.0, 0.5, 0.25
   cfg = NON_NEGATIVE_FORCE[size]
