@@ -5,15 +5,14 @@ A projection onto the Stiefel manifold along the normal space at ``Q_n`` that
 checks its own result needs, per kernel of tall shape ``(r, s)``, at least
 three products of ``r s^2`` multiply-adds: the step's defect ``Qbar^T Qbar``
 (the multiplier depends on it), the correction ``Q_n Lambda`` and the result's
-check ``Q^T Q`` (one quasi-Newton iteration, verified). CoLA-ud adds the
-momentum's projection onto the cotangent space at the new point,
-``V - Q sym(Q^T V)``: two more. This script times, on the transformer LM of
-``benchmarks/scale.py`` at its realistic batch, SGD-m's training step with
+check ``Q^T Q`` (one quasi-Newton iteration, verified); ``Orthogonal`` adds the
+anchor's check ``Q_n^T Q_n`` (four). CoLA-ud's OBA step adds two projections
+onto the cotangent space, ``V - Q sym(Q^T V)``: the kick's at ``Q_n`` and the
+momentum's at the new point (eight). This script times, on the transformer LM
+of ``benchmarks/scale.py`` at its realistic batch, SGD-m's training step with
 ``k`` such products per constrained kernel appended to its update (a chain:
 ``M = Q^T X``, then ``X <- X - Q M / 1000``, and so on, every product feeding
 the next), interleaved with SGD-m's own step, and o-CoLA's steps beside them.
-``sgd_m + 3 products`` is the floor of o-CoLA-od's step, ``sgd_m + 5
-products`` that of o-CoLA-ud's.
 
 Usage::
 
@@ -142,8 +141,9 @@ def main(argv=None) -> dict:
   args = parse_args(argv)
   started = time.perf_counter()
   if args.smoke:
-    args.depth, args.width, args.vocab, args.batch = 1, 32, 64, "2x8"
-    args.repetitions, args.budget, args.products = 2, 0.5, [1, 3]
+    for key in ("depth", "width", "vocab"):
+      setattr(args, key, scale.SMOKE_MODEL[key])
+    args.batch, args.repetitions, args.budget, args.products = scale.SMOKE_MODEL["large"], 2, 0.5, [1, 3]
   args.out = report.output_dir(args.out or (None if args.smoke else "results/"), "orthogonal_floor")
   model = scale.transformer(args)
   key_params, key_tokens = jax.random.split(jax.random.key(0))

@@ -199,7 +199,9 @@ def main(argv=None) -> dict:
   args = parse_args(argv)
   started = time.perf_counter()
   if args.smoke:
-    args.depth, args.width, args.vocab, args.batch = 1, 32, 64, "2x8"
+    for key in ("depth", "width", "vocab"):
+      setattr(args, key, scale.SMOKE_MODEL[key])
+    args.batch = scale.SMOKE_MODEL["small"]
     args.leaves, args.leaf_shape = 2, "64x128"
   if args.no_shared_noise:
     import cola_jax.transforms

@@ -103,6 +103,7 @@ class UnitNorm(Constraint):
   axis: tuple[int, ...] | None = None  # an int is accepted and stored as a tuple
 
   project_noise_with_force = True
+
   # The sphere S^n whose equator xi = 0 this is: its axes, products and A step.
   _sphere: Sphere = dataclasses.field(init=False, repr=False, compare=False)
 
