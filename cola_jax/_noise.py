@@ -100,10 +100,19 @@ def normal_pair(key: jax.Array, shape: tuple[int, ...], dtype, out_sharding=None
   The numbers are not ``jax.random.normal``'s. Written out for float32 and
   Threefry keys in JAX's partitionable mode; otherwise two
   ``jax.random.normal`` draws from the two halves of a split key.
+
+  Both arrays are computed in one pass and written to memory
+  (:func:`~cola_jax._numerics.computed_together`): every consumer reads them
+  rather than hash again.
   """
   served = _shared_noise.intercept(2, shape, dtype, out_sharding)
   if served is not None:
     return served[0], served[1]
+  return computed_together(*box_muller(key, shape, dtype, out_sharding))
+
+
+def box_muller(key: jax.Array, shape: tuple[int, ...], dtype, out_sharding=None) -> tuple[jax.Array, jax.Array]:
+  """The two arrays of :func:`normal_pair`, as expressions for XLA to place (never served)."""
   words = _threefry_words(key)
   if words is None or jnp.dtype(dtype) != jnp.float32 or math.prod(shape) >= 2**32:
     first, second = jax.random.split(key)
@@ -138,7 +147,7 @@ def normal_paired(key: jax.Array, shape: tuple[int, ...], dtype, out_sharding=No
   if axis is None:
     return normal(key, shape, dtype, out_sharding=out_sharding)
   half = shape[:axis] + (shape[axis] // 2,) + shape[axis + 1 :]
-  first, second = computed_together(*normal_pair(key, half, dtype, out_sharding=out_sharding))
+  first, second = normal_pair(key, half, dtype, out_sharding=out_sharding)
   return jnp.stack([first, second], axis=axis + 1).reshape(shape)
 
 

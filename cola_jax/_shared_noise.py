@@ -80,28 +80,40 @@ def requests(fn: Callable, *args) -> list[Request]:
 def draw(key: jax.Array, made: Sequence[Request], members: int) -> list[list[tuple[jax.Array, ...]]]:
   """For each member, for each request, its arrays: every request drawn once for all members.
 
-  A request's ``members * arrays`` arrays come from one Box-Muller draw of
-  half as many (:func:`~cola_jax._noise.normal_pair`, both numbers of a hash
+  A request's ``members * arrays`` arrays come from Box-Muller draws of half
+  as many (:func:`~cola_jax._noise.box_muller`, both numbers of a hash
   computed in one pass), written to memory once, so that the consumers of each
   member read its arrays instead of hashing again. Each array is a buffer of
   its own, freed once its member has been updated: the group's noise does not
   stay in memory until its last member's gradient exists.
+
+  Each pass draws from its own key (the group's first key folded with the
+  pass's number), flat: passes of the same size, whatever their shapes,
+  compile to the same loop, which XLA's CPU backend emits once for all of
+  them; and no intermediate is shared between passes (drawn whole and sliced,
+  XLA wrote the Box-Muller radius of a whole request to memory: 48 MB per
+  group of the 12-block transformer's kernels).
   """
   from cola_jax import _noise  # which imports this module for intercept()
 
   per_request = []
-  for index, request in enumerate(made):
+  passes = 0
+  for request in made:
     count = members * request.arrays
     half = math.ceil(count / 2)
-    first, second = _noise.normal_pair(_noise.fold_in(key, index), (half, *request.shape), request.dtype)
+    size = math.prod(request.shape)
     arrays = [None] * count
-    small = count * math.prod(request.shape) * request.dtype.itemsize <= _ONE_PASS_BYTES
+    small = count * size * request.dtype.itemsize <= _ONE_PASS_BYTES
     per_pass = half if small else _HASHES_PER_PASS
     for start in range(0, half, per_pass):
-      chunk = [i for j in range(start, min(start + per_pass, half)) for i in (j, j + half) if i < count]
-      slices = [first[i] if i < half else second[i - half] for i in chunk]
+      hashes = min(per_pass, half - start)
+      first, second = _noise.box_muller(_noise.fold_in(key, passes), (hashes * size,), request.dtype)
+      passes += 1
+      chunk = [i for j in range(start, start + hashes) for i in (j, j + half) if i < count]
+      rows = [z.reshape(hashes, size) for z in (first, second)]
+      slices = [rows[i // half][i % half - start] for i in chunk]
       for i, array in zip(chunk, jax.lax.optimization_barrier(computed_together(*slices))):
-        arrays[i] = array
+        arrays[i] = array.reshape(request.shape)
     per_request.append([tuple(arrays[m * request.arrays : (m + 1) * request.arrays]) for m in range(members)])
   return [[drawn[m] for drawn in per_request] for m in range(members)]
 

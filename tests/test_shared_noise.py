@@ -1,5 +1,7 @@
 """Same-shape leaves draw their noise once per group (XLA:CPU, one device): one generator, independent normals."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +9,7 @@ import optax
 import pytest
 
 import cola_jax as cola
-from cola_jax import transforms
+from cola_jax import _shared_noise, transforms
 
 pytestmark = pytest.mark.skipif(not transforms._sharing_noise_pays(), reason="groups share noise on one CPU device")
 
@@ -53,3 +55,18 @@ def test_the_program_holds_one_generator_per_group_whatever_the_depth(monkeypatc
   assert shift_lefts(6) - shift_lefts(2) < ROTATIONS  # four more leaves, not one more hash
   monkeypatch.setattr(transforms, "_sharing_noise_pays", lambda: False)
   assert shift_lefts(6) - shift_lefts(2) >= 4 * ROTATIONS  # leaf by leaf: a hash each
+
+
+def test_the_passes_of_grouped_draws_of_one_size_compile_to_one_loop(monkeypatch):
+  # XLA's CPU backend emits a loop once for all fusions of one body. Passes of one size, whatever
+  # the group's shape, must hash the same way from a key of their own: one kernel, not one per pass.
+  monkeypatch.setattr(_shared_noise, "_ONE_PASS_BYTES", 0)
+  monkeypatch.setattr(_shared_noise, "_HASHES_PER_PASS", 1)  # circle-od: two passes per group
+  params = {f"{name}{i}": jnp.full(shape, 0.1) for name, shape in (("a", (16, 8)), ("b", (8, 16))) for i in range(2)}
+  tx = cola.cola_od(0.1, constraints=cola.Circle(0.5), temperature=1e-4, key=jax.random.key(0))
+  text = jax.jit(tx.update).lower(params, tx.init(params), params).compile().as_text()
+  computations = [block for block in re.split(r"\n(?=%)", text) if block.startswith("%")]
+  passes = [c for c in computations if c.count("shift-left(") >= ROTATIONS and "-> (f32[128], f32[128])" in c]
+  unnamed = {re.sub(r"metadata=\{[^}]*\}|%?[\w\-]+\.\d+|stack_frame_id=\d+", "", c) for c in passes}
+  assert len(passes) == 4
+  assert len(unnamed) == 1

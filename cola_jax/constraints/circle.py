@@ -144,10 +144,9 @@ class Circle(Constraint):
 
   def ambient_normal(self, key, point):
     theta, _ = point
-    noise = _noise.normal_pair(key, theta.shape, theta.dtype, out_sharding=explicit_sharding(theta))
-    # Both feed both new coordinates: drawn once into memory rather than
-    # recomputed in each coordinate's loop.
-    return computed_together(*noise)
+    # Both feed both new coordinates: normal_pair writes them to memory once
+    # rather than have each coordinate's loop hash again.
+    return _noise.normal_pair(key, theta.shape, theta.dtype, out_sharding=explicit_sharding(theta))
 
   def project(self, anchor, step):
     return self._onto_circle(anchor[0] + step[0], anchor[1] + step[1])
