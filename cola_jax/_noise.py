@@ -108,7 +108,8 @@ def normal_pair(key: jax.Array, shape: tuple[int, ...], dtype, out_sharding=None
   served = _shared_noise.intercept(2, shape, dtype, out_sharding)
   if served is not None:
     return served[0], served[1]
-  return computed_together(*box_muller(key, shape, dtype, out_sharding))
+  first, second = computed_together(*box_muller(key, shape, dtype, out_sharding))
+  return first, second
 
 
 def box_muller(key: jax.Array, shape: tuple[int, ...], dtype, out_sharding=None) -> tuple[jax.Array, jax.Array]:

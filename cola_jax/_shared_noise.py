@@ -10,7 +10,8 @@ group, with the group's member axis in front, and writes it to memory once, so
 that the program holds one hash per request and group, whatever the depth.
 Each member then receives its slice (:func:`serving`) where it would have
 drawn. The numbers are independent standard normal entries as before, from a
-different stream: the group's first key, folded with the request's index.
+different stream: the group's first key, folded with the number of the pass
+(:func:`draw`).
 """
 
 import contextlib
