@@ -127,8 +127,8 @@ BATCHED = {"conv": ((2, 2, 5, 3), 2, 3), "wide": ((3, 5, 2), 0, 1), "square": ((
   "method, projection",
   [
     ("od", "quasi_newton"),
-    ("ud", "newton"),
     ("ud", "square_root"),
+    pytest.param("ud", "newton", marks=pytest.mark.slow),
     pytest.param("ud", "quasi_newton", marks=pytest.mark.slow),
     pytest.param("od", "newton", marks=pytest.mark.slow),
     pytest.param("od", "square_root", marks=pytest.mark.slow),
