@@ -396,7 +396,7 @@ CATALOG = {
 STEPS = 10_000
 
 
-@pytest.mark.parametrize("method, h", [("od", 0.05), ("ud", 0.1)])
+@pytest.mark.parametrize("method, h", [pytest.param("od", 0.05, marks=pytest.mark.slow), ("ud", 0.1)])
 def test_constraints_hold_after_many_noisy_steps(method, h, mlp_problem):
   params, loss = mlp_problem
   params = jax.tree.map(lambda p: 2 * p, params)  # some entries start outside the bounds
