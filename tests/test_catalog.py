@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _cases import quick_or_slow
 from scipy import stats
 
 import cola_jax as cola
@@ -550,18 +551,11 @@ def _beta_cdf(n):
 
 
 # Quick: each dynamics once (od on circles, ud on 4-spheres); the rest under slow.
-UNIT_NORM_CASES = [
-  pytest.param(
-    method,
-    n,
-    size,
-    id=f"{method}-{n}-{size}",
-    marks=[] if (method, n, size) in {("od", 2, "quick"), ("ud", 4, "quick")} else [pytest.mark.slow],
-  )
-  for method in ("od", "ud")
-  for n in (2, 4)
-  for size in ("quick", "slow")
-]
+UNIT_NORM_CASES = quick_or_slow(
+  [(method, n, size) for method in ("od", "ud") for n in (2, 4) for size in ("quick", "slow")],
+  {("od", 2, "quick"), ("ud", 4, "quick")},
+  ids=lambda method, n, size: f"{method}-{n}-{size}",
+)
 
 
 @pytest.mark.parametrize("method, n, size", UNIT_NORM_CASES)
@@ -627,13 +621,11 @@ NON_NEGATIVE_FORCE = {
 
 
 # Quick: CoLA-ud's; CoLA-od's under slow with the long runs.
-NON_NEGATIVE_CASES = [
-  pytest.param(
-    method, size, id=f"{method}-{size}", marks=[] if (method, size) == ("ud", "quick") else [pytest.mark.slow]
-  )
-  for method in ("od", "ud")
-  for size in ("quick", "slow")
-]
+NON_NEGATIVE_CASES = quick_or_slow(
+  [(method, size) for method in ("od", "ud") for size in ("quick", "slow")],
+  {("ud", "quick")},
+  ids=lambda method, size: f"{method}-{size}",
+)
 
 
 @pytest.mark.parametrize("method, size", NON_NEGATIVE_CASES)

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _cases import quick_or_slow
 from scipy import integrate, stats
 
 import cola_jax as cola
@@ -426,18 +427,11 @@ def _signed_permutations(rng, count, n, p):
 # the force, its RATTLE step); CoLA-od's, and the tall and wide cases (each as
 # long as the square one), run with the long versions, under -m slow.
 ORTHO_SHAPES = {"tall4x2": (4, 2), "wide2x4": (2, 4), "square3x3": (3, 3)}
-ORTHO_CASES = [
-  pytest.param(
-    method,
-    shape,
-    size,
-    id=f"{method}-{name}-{size}",
-    marks=[] if (method, name, size) == ("ud", "square3x3", "quick") else [pytest.mark.slow],
-  )
-  for name, shape in ORTHO_SHAPES.items()
-  for size in ("quick", "slow")
-  for method in ("od", "ud")
-]
+ORTHO_CASES = quick_or_slow(
+  [(method, shape, size) for shape in ORTHO_SHAPES.values() for size in ("quick", "slow") for method in ("od", "ud")],
+  {("ud", ORTHO_SHAPES["square3x3"], "quick")},
+  ids=lambda method, shape, size: f"{method}-{next(k for k, v in ORTHO_SHAPES.items() if v == shape)}-{size}",
+)
 
 
 @pytest.mark.parametrize("method,shape,size", ORTHO_CASES)

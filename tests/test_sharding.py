@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from _cases import quick_or_slow
 
 CHECK = pathlib.Path(__file__).with_name("sharding_check.py")
 METHODS_AND_LAYOUTS = [
@@ -51,11 +52,6 @@ def entry(method, layout):
   return found
 
 
-def checks(combinations):
-  """Parameters for ``combinations``, those outside the quick set marked slow."""
-  return [pytest.param(*c, marks=() if c in QUICK else pytest.mark.slow) for c in combinations]
-
-
 def test_eight_devices_and_partitionable_threefry():
   found = report(QUICK)
   assert found["devices"] == 8
@@ -64,7 +60,7 @@ def test_eight_devices_and_partitionable_threefry():
   assert found["threefry_partitionable"] is True
 
 
-@pytest.mark.parametrize("method,layout", checks(METHODS_AND_LAYOUTS))
+@pytest.mark.parametrize("method,layout", quick_or_slow(METHODS_AND_LAYOUTS, QUICK))
 def test_sharded_update(method, layout):
   found = entry(method, layout)
   assert "error" not in found, found["error"]
@@ -80,7 +76,7 @@ def test_sharded_update(method, layout):
   assert found["noise_collectives"] == []
 
 
-@pytest.mark.parametrize("method,layout", checks([m for m in METHODS_AND_LAYOUTS if m[1] != "explicit"]))
+@pytest.mark.parametrize("method,layout", quick_or_slow([m for m in METHODS_AND_LAYOUTS if m[1] != "explicit"], QUICK))
 def test_noise_is_drawn_shard_by_shard(method, layout):
   found = entry(method, layout)
   # No device builds a noise array larger than its largest parameter shard:

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _cases import quick_or_slow
 from scipy import integrate, stats
 
 import cola_jax as cola
@@ -409,14 +410,12 @@ SPHERE_FREE = {
 }
 # Quick: the Dense-like column at the small size with CoLA-ud; slow: CoLA-od's, and
 # every shape at the large size.
-CASES = [
-  pytest.param(method, 3, "quick", id=f"{method}-3-quick", marks=[pytest.mark.slow] if method == "od" else [])
-  for method in ("od", "ud")
-] + [
-  pytest.param(method, n, "slow", id=f"{method}-{n}-slow", marks=pytest.mark.slow)
-  for n in sorted(SHAPES)
-  for method in ("od", "ud")
-]
+CASES = quick_or_slow(
+  [(method, 3, "quick") for method in ("od", "ud")]
+  + [(method, n, "slow") for n in sorted(SHAPES) for method in ("od", "ud")],
+  {("ud", 3, "quick")},
+  ids=lambda method, n, size: f"{method}-{n}-{size}",
+)
 
 
 def _free_samples(method, cfg, n, steps, seed):
