@@ -92,8 +92,8 @@ def draw(key: jax.Array, made: Sequence[Request], members: int) -> list[list[tup
   pass's number), flat: passes of the same size, whatever their shapes,
   compile to the same loop, which XLA's CPU backend emits once for all of
   them; and no intermediate is shared between passes (drawn whole and sliced,
-  XLA wrote the Box-Muller radius of a whole request to memory: 48 MB per
-  group of the 12-block transformer's kernels).
+  XLA wrote the Box-Muller radius of every hash of a request to memory: with
+  two numbers per weight, as many bytes as the group's weights).
   """
   from cola_jax import _noise  # which imports this module for intercept()
 
