@@ -14,12 +14,14 @@ a retraction that exists for every finite step. Unconstrained leaves get
 ``inner``'s update as it is.
 """
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from cola_jax import _compiled
 from cola_jax._numerics import max_abs, power_of_two_scale
 from cola_jax._tree import ConstraintSpec, LeafLayout
 from cola_jax.constraints.base import Constraint, Euclidean
@@ -79,22 +81,21 @@ def _polar_retraction(c: Orthogonal, point: StiefelPoint, step: jax.Array) -> St
   return StiefelPoint(matrix, info)
 
 
-def _points(layout: LeafLayout, auxes: list) -> list:
+def _points(constraints: Sequence, compute: list, auxes: list) -> list:
   """Each constrained leaf's point on its manifold (re-established from the parameter); None for free leaves."""
-  return [
-    None if isinstance(c, Euclidean) else c.point(p, aux)
-    for c, p, aux in zip(layout.constraints, layout.compute, auxes)
-  ]
+  return [None if isinstance(c, Euclidean) else c.point(p, aux) for c, p, aux in zip(constraints, compute, auxes)]
 
 
-def _seen_params(layout: LeafLayout, points: list):
-  """The parameters as ``inner`` sees them: free leaves as given, constrained ones as their tangent projections."""
-  return layout.unflatten(
-    [
-      param if q is None else _tangent(c, q, p, p)
-      for c, q, p, param in zip(layout.constraints, points, layout.compute, layout.params)
-    ]
-  )
+def _seen_params(constraints: Sequence, points: list, compute: list, params: list) -> list:
+  """The leaves as ``inner`` sees them: free leaves as given, constrained ones as their tangent projections."""
+  return [param if q is None else _tangent(c, q, p, p) for c, q, p, param in zip(constraints, points, compute, params)]
+
+
+def _initial_state(inner, constraints: tuple, treedef, compute: list, params: list) -> "ConstrainedState":
+  """The state of :func:`constrained` for these leaves (compiled as one program by its ``init``)."""
+  auxes = [c.init(p) for c, p in zip(constraints, compute)]
+  seen = _seen_params(constraints, _points(constraints, compute, auxes), compute, params)
+  return ConstrainedState(inner_state=inner.init(treedef.unflatten(seen)), constraint_states=treedef.unflatten(auxes))
 
 
 def _retract(c: Constraint, point, coordinates, ambient: bool, retraction: str):
@@ -206,9 +207,10 @@ def constrained(
 
   def init_fn(params):
     layout = LeafLayout(owner, constraints, _without_variables(params))
-    auxes = [c.init(p) for c, p in zip(layout.constraints, layout.compute)]
-    seen_params = _seen_params(layout, _points(layout, auxes))
-    return ConstrainedState(inner_state=inner.init(seen_params), constraint_states=layout.unflatten(auxes))
+    # One program, in which XLA drops the tangent projections that inner's init does not read.
+    return _compiled.call(
+      _initial_state, (inner, tuple(layout.constraints), layout.treedef), layout.compute, layout.params
+    )
 
   def update_fn(grads, state, params=None, **extra_args):
     _check_state(owner, state, ConstrainedState)
@@ -216,15 +218,16 @@ def constrained(
     grad_leaves = layout.gradients(grads)
     auxes = layout.flatten(state.constraint_states, "state.constraint_states")
     layout.check_state(auxes)
-    points = _points(layout, auxes)
+    points = _points(layout.constraints, layout.compute, auxes)
     seen_grads = [
       grad if q is None else c.store_momentum(c.projected_gradient(q, g), p)
       for c, q, g, grad, p in zip(
         layout.constraints, points, grad_leaves, layout.flatten(grads, "grads"), layout.compute
       )
     ]
+    seen_params = _seen_params(layout.constraints, points, layout.compute, layout.params)
     inner_updates, inner_state = inner.update(
-      layout.unflatten(seen_grads), state.inner_state, _seen_params(layout, points), **extra_args
+      layout.unflatten(seen_grads), state.inner_state, layout.unflatten(seen_params), **extra_args
     )
 
     updates, new_auxes = [], []

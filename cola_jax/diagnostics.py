@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from cola_jax import _compiled
 from cola_jax.constrained import ConstrainedState
 from cola_jax.transforms import OverdampedState, UnderdampedState
 
@@ -64,9 +65,11 @@ def constraint_residuals(params: Any, state: Any) -> Any:
     raise ValueError(
       f"constraint_residuals: the state's constraint_states do not have the structure of params.\n{error}"
     ) from None
-  return treedef.unflatten(
-    [
-      None if aux is None or isinstance(aux, optax.MaskedNode) else aux.residual(jnp.asarray(param))
-      for param, aux in zip(leaves, auxes)
-    ]
-  )
+  return treedef.unflatten(_compiled.call(_residuals, (), leaves, auxes))
+
+
+def _residuals(leaves: list, auxes: list) -> list:
+  return [
+    None if aux is None or isinstance(aux, optax.MaskedNode) else aux.residual(jnp.asarray(param))
+    for param, aux in zip(leaves, auxes)
+  ]

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from cola_jax import _shared_noise, langevin
+from cola_jax import _compiled, _shared_noise, langevin
 from cola_jax._hyperparameters import check_floating_dtype, check_nonnegative, check_positive
 from cola_jax._numerics import concrete_float, explicit_sharding
 from cola_jax._tree import ConstraintSpec, LeafLayout
@@ -120,6 +120,11 @@ def _temperature_at(temperature, count):
   whose square root would be NaN.)
   """
   return jnp.maximum(_at(temperature, count), 0.0)
+
+
+def _initial_auxes(constraints: tuple, compute: list) -> list:
+  """Each leaf's auxiliary state for a new run (compiled as one program by the transforms' ``init``)."""
+  return [c.init(p) for c, p in zip(constraints, compute)]
 
 
 def _without_variables(params):
@@ -322,7 +327,7 @@ def cola_od(
 
   def init_fn(params):
     layout = LeafLayout(owner, constraints, _without_variables(params))
-    auxes = [c.init(p) for c, p in zip(layout.constraints, layout.compute)]
+    auxes = _compiled.call(_initial_auxes, (tuple(layout.constraints),), layout.compute)
     return OverdampedState(count=jnp.zeros([], jnp.int32), key=key, constraint_states=layout.unflatten(auxes))
 
   def update_fn(grads, state, params=None):
@@ -423,7 +428,7 @@ def cola_ud(
 
   def init_fn(params):
     layout = LeafLayout(owner, constraints, _without_variables(params))
-    auxes = [c.init(p) for c, p in zip(layout.constraints, layout.compute)]
+    auxes = _compiled.call(_initial_auxes, (tuple(layout.constraints),), layout.compute)
     momenta = [c.zero_momentum(p) for c, p in zip(layout.constraints, layout.compute)]
     if momentum_dtype is not None:
       momenta = [m.astype(momentum_dtype) for m in momenta]

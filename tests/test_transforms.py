@@ -149,6 +149,48 @@ def test_jit_compiles_once(mlp_problem):
   assert len(traces) == 1
 
 
+_COMPILES = []
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+jax.monitoring.register_event_duration_secs_listener(
+  lambda event, duration, **_: _COMPILES.append(event) if event == _COMPILE_EVENT else None
+)
+
+
+def _compiles(fn):
+  """``fn()``'s result and how many programs XLA compiled while it ran."""
+  _COMPILES.clear()
+  out = jax.block_until_ready(fn())
+  return out, len(_COMPILES)
+
+
+def test_outside_jit_init_project_params_and_residuals_compile_one_program_each():
+  """Op by op, each operation and while loop of the leaves compiled on its own: 45 to 121 programs here."""
+  # A new Implicit (its own function): nothing of these leaves is compiled yet in this process.
+  constraints = {
+    "orthogonal": cola.Orthogonal(),
+    "circle": cola.Circle(0.5),
+    "sphere": cola.Sphere(0.5),
+    "implicit": cola.Implicit(inequality=lambda w: jnp.sum(w * w) / 0.25 - 1, axis=0),
+    "free": None,
+  }
+  params = {name: 0.1 + 0.01 * jnp.arange(24.0).reshape(6, 4) for name in constraints}
+  makes = {
+    "cola_od": lambda: cola.cola_od(0.1, constraints=constraints),
+    "cola_ud": lambda: cola.cola_ud(0.1, friction=1.0, constraints=constraints),
+    "constrained": lambda: cola.constrained(optax.adam(0.1), constraints=constraints),
+  }
+  for name, make in makes.items():
+    state, compiles = _compiles(lambda: make().init(params))
+    assert compiles <= 3, name  # the leaves' program, and at most JAX's own for the count and the momenta
+    if name != "constrained":  # its program holds the inner transformation's init, one per instance
+      assert _compiles(lambda: make().init(params))[1] == 0, name
+  projected, compiles = _compiles(lambda: cola.project_params(params, constraints))
+  assert compiles <= 2 * len(constraints), compiles  # one program per leaf, and JAX's own
+  residuals, compiles = _compiles(lambda: cola.constraint_residuals(projected, state))
+  assert compiles == 1
+  assert residuals["free"] is None and max(jax.tree.leaves(residuals)) < 1e-5
+
+
 @pytest.mark.parametrize("name", _one_quick(sorted(NOISY), "c_cola_ud"))
 def test_vmap_over_keys_runs_independent_seeds(name, mlp_problem):
   params, loss = mlp_problem

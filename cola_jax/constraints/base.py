@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from cola_jax import _noise
+from cola_jax import _compiled, _noise
 from cola_jax._numerics import explicit_sharding
 
 Point = Any
@@ -55,7 +55,7 @@ class Constraint(abc.ABC):
 
   def nearest(self, param: jax.Array) -> jax.Array:
     """The parameter value on the manifold that the first update would start from."""
-    return self.unpack(self.point(param, self.init(param)), param)[0]
+    return _compiled.call(_nearest_from_itself, (self,), param)
 
   @abc.abstractmethod
   def point(self, param: jax.Array, aux: Aux) -> Point:
@@ -119,6 +119,10 @@ class Constraint(abc.ABC):
   @abc.abstractmethod
   def a_step(self, point: Point, momentum: Momentum, h) -> tuple[Point, Momentum]:
     """The constrained free flight (the A step) over time ``h``."""
+
+
+def _nearest_from_itself(constraint: Constraint, param: jax.Array) -> jax.Array:
+  return constraint.unpack(constraint.point(param, constraint.init(param)), param)[0]
 
 
 class Euclidean(Constraint):

@@ -124,7 +124,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cola_jax import _noise
+from cola_jax import _compiled, _noise
 from cola_jax._hyperparameters import check_loop, check_positive, check_positive_integer
 from cola_jax._numerics import bounded_while_loop, max_abs
 from cola_jax.constraints import _axes
@@ -521,7 +521,7 @@ class Implicit(Constraint):
     Raises ValueError, where the values are known (outside ``jit``), if that
     projection fails; under ``jit`` the parameter is returned unprojected.
     """
-    point = jax.jit(lambda p: self.point(p, self.init(p)))(param)  # one compilation, not op by op
+    point = _compiled.call(_projected_from_itself, (self,), param)
     try:
       failed = not bool(jnp.all(point.converged))
     except jax.errors.ConcretizationTypeError:
@@ -583,3 +583,7 @@ class Implicit(Constraint):
     new_px, new_ps = geometry.where(accepted, (new_px, new_ps), (-px, -ps))
     new_point = ImplicitPoint(qx, qs.reshape(point.slack.shape), point.iterations + k, point.converged & accepted)
     return new_point, geometry.join(new_px, new_ps)
+
+
+def _projected_from_itself(constraint: Implicit, param: jax.Array) -> ImplicitPoint:
+  return constraint.point(param, constraint.init(param))

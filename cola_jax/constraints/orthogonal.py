@@ -70,7 +70,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from cola_jax import _noise
+from cola_jax import _compiled, _noise
 from cola_jax._hyperparameters import check_loop, check_positive, check_positive_integer
 from cola_jax._numerics import bounded_while_loop, explicit_sharding, max_abs, power_of_two_scale
 from cola_jax.constraints import _axes, stiefel_projection
@@ -354,7 +354,7 @@ class Orthogonal(Constraint):
 
   def nearest(self, param):
     """The polar factor: the closest matrix with orthonormal columns (or rows)."""
-    return self._untall(_each(polar_factor, self._tall(param)), param)
+    return _compiled.call(_polar_factor_of_leaf, (self,), param)
 
   def init(self, param):
     return ProjectionInfo(
@@ -449,3 +449,7 @@ class Orthogonal(Constraint):
     moving = h != 0
     corrected = momentum + jnp.where(moving, impulse * (1 / jnp.where(moving, h, 1)), 0)
     return new, self.cotangent(new, corrected)
+
+
+def _polar_factor_of_leaf(constraint: Orthogonal, param: jax.Array) -> jax.Array:
+  return constraint._untall(_each(polar_factor, constraint._tall(param)), param)
