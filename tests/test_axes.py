@@ -305,7 +305,7 @@ UNIT_START = {
 @pytest.mark.parametrize(
   "method, h, temperature",
   [
-    ("od", 0.05, 0.0),
+    pytest.param("od", 0.05, 0.0, marks=pytest.mark.slow),
     pytest.param("od", 0.05, 1e-3, marks=pytest.mark.slow),
     pytest.param("ud", 0.2, 0.0, marks=pytest.mark.slow),
     ("ud", 0.2, 1e-3),

@@ -81,9 +81,9 @@ METHODS = {
 }
 
 
-@pytest.mark.parametrize(
-  "method", [m if m == "c_cola_ud" else pytest.param(m, marks=pytest.mark.slow) for m in sorted(METHODS)]
-)
+# Slow: the quick suite has test_transforms.py's vmap over keys and the guide's page (tests/test_docs.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("method", sorted(METHODS))
 def test_seeds_trained_together_equal_seeds_trained_alone(method):
   make_tx = METHODS[method]
   data = batches(STEPS)
