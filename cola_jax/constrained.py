@@ -27,7 +27,7 @@ from cola_jax._tree import ConstraintSpec, LeafLayout
 from cola_jax.constraints.base import Constraint, Euclidean
 from cola_jax.constraints.orthogonal import Orthogonal, ProjectionInfo, StiefelPoint
 from cola_jax.constraints.stiefel_projection import gram
-from cola_jax.transforms import _check_state, _without_variables
+from cola_jax.transforms import _check_state, _initial_auxes, _without_variables
 
 _RETRACTIONS = ("polar", "projection")
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -93,7 +93,7 @@ def _seen_params(constraints: Sequence, points: list, compute: list, params: lis
 
 def _initial_state(inner, constraints: tuple, treedef, compute: list, params: list) -> "ConstrainedState":
   """The state of :func:`constrained` for these leaves (compiled as one program by its ``init``)."""
-  auxes = [c.init(p) for c, p in zip(constraints, compute)]
+  auxes = _initial_auxes(constraints, compute)
   seen = _seen_params(constraints, _points(constraints, compute, auxes), compute, params)
   return ConstrainedState(inner_state=inner.init(treedef.unflatten(seen)), constraint_states=treedef.unflatten(auxes))
 
