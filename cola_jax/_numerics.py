@@ -339,6 +339,35 @@ def _computed_together_jvp(primals, tangents):
   return computed_together(*primals), tuple(tangents)
 
 
+def computed_after(grad: jax.Array, tree):
+  """``tree`` unchanged, but computed from ``grad``: XLA schedules nothing of it before ``grad`` exists.
+
+  XLA's CPU scheduler runs each operation as early as its operands allow (and
+  expands optimization barriers before it schedules). Each array of ``tree``
+  gains a zero made from the sign bit of ``grad``'s first entry, which the
+  compiler cannot fold: floats ``-0.0`` (``x + -0.0`` is ``x`` for every
+  float, signed zeros and NaN included), integers and PRNG keys' data ``0``
+  by exclusive or.
+  """
+  if grad.size == 0:
+    return tree
+  sign = jax.lax.bitcast_convert_type(grad.reshape(-1)[0].astype(jnp.float32), jnp.uint32) & np.uint32(2**31)
+  high_bit = sign | np.uint32(2**31)
+  negative_zero = jax.lax.bitcast_convert_type(high_bit, jnp.float32)
+  zero_bits = high_bit ^ np.uint32(2**31)
+
+  def after(x):
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+      return jax.random.wrap_key_data(after(jax.random.key_data(x)), impl=jax.random.key_impl(x))
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+      return x + negative_zero.astype(x.dtype)
+    if jnp.issubdtype(x.dtype, jnp.integer):
+      return x ^ zero_bits.astype(x.dtype)
+    return x
+
+  return jax.tree.map(after, tree)
+
+
 def concrete_float(value: Any) -> float | None:
   """The value as a Python float when it is known now, else None.
 

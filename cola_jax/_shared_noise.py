@@ -23,14 +23,9 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from cola_jax._numerics import computed_together
+from cola_jax._numerics import computed_after, computed_together
 
 _ACTIVE = threading.local()
-# Box-Muller hashes per pass of a draw: XLA:CPU splits a pass of 12 (24 arrays)
-# into pieces and writes their intermediates to memory (measured on the
-# 12-block transformer of benchmarks/update_memory.py: circle-od's temporaries
-# 764 MB instead of 386 MB).
-_HASHES_PER_PASS = 6
 # A request whose arrays take at most this many bytes in all is drawn in one
 # pass however many hashes it needs: each pass is a kernel of its own, some
 # tenths of a second to compile, and small intermediates cost nothing wherever
@@ -78,45 +73,59 @@ def requests(fn: Callable, *args) -> list[Request]:
   return made
 
 
-def draw(key: jax.Array, made: Sequence[Request], members: int) -> list[list[tuple[jax.Array, ...]]]:
+def draw(
+  key: jax.Array, made: Sequence[Request], members: int, after: Sequence[jax.Array] = ()
+) -> list[list[tuple[jax.Array, ...]]]:
   """For each member, for each request, its arrays: every request drawn once for all members.
 
   A request's ``members * arrays`` arrays come from Box-Muller draws of half
   as many (:func:`~cola_jax._noise.box_muller`, both numbers of a hash
   computed in one pass), written to memory once, so that the consumers of each
   member read its arrays instead of hashing again. Each array is a buffer of
-  its own, freed once its member has been updated: the group's noise does not
-  stay in memory until its last member's gradient exists.
+  its own, freed once its member has been updated.
+
+  A request of at most ``_ONE_PASS_BYTES`` is drawn in one pass. A larger one
+  takes a pass per hash, which serves one member (two arrays) or two (one
+  each) and waits for their entries of ``after`` (one array per member: its
+  gradient). XLA's CPU scheduler runs an operation as early as its operands
+  allow: noise drawn from the key alone would be drawn before the forward pass
+  and the whole group's noise held through the backward pass, where now a
+  pass's noise lives from its members' gradients to their updates.
 
   Each pass draws from its own key (the group's first key folded with the
-  pass's number), flat: passes of the same size, whatever their shapes,
-  compile to the same loop, which XLA's CPU backend emits once for all of
-  them; and no intermediate is shared between passes (drawn whole and sliced,
-  XLA wrote the Box-Muller radius of every hash of a request to memory: with
-  two numbers per weight, as many bytes as the group's weights).
+  pass's number, all folded in one kernel by
+  :func:`~cola_jax._noise.fold_in_range`), flat: passes of one size and
+  gradient shape compile to the same loop, which XLA's CPU backend emits once
+  for all of them; and no intermediate is shared between passes (drawn whole
+  and sliced, XLA wrote the Box-Muller radius of every hash of a request to
+  memory: with two numbers per weight, as many bytes as the group's weights).
   """
   from cola_jax import _noise  # which imports this module for intercept()
 
-  per_request = []
-  passes = 0
-  for request in made:
-    count = members * request.arrays
-    half = math.ceil(count / 2)
+  plan = []  # (request, first hash, hashes, whether it waits for its members' gradients) of each pass
+  for r, request in enumerate(made):
+    half = math.ceil(members * request.arrays / 2)
+    small = members * request.arrays * math.prod(request.shape) * request.dtype.itemsize <= _ONE_PASS_BYTES
+    per_pass = half if small else 1
+    plan += [(r, start, min(per_pass, half - start), not small) for start in range(0, half, per_pass)]
+  pass_keys = _noise.fold_in_range(key, len(plan))
+
+  arrays: list[list] = [[None] * (members * request.arrays) for request in made]
+  for pass_key, (r, start, hashes, waits) in zip(pass_keys, plan):
+    request, count = made[r], len(arrays[r])
+    chunk = list(range(2 * start, min(2 * (start + hashes), count)))
+    for m in sorted({i // request.arrays for i in chunk}) if waits and after else ():
+      pass_key = computed_after(after[m], pass_key)
     size = math.prod(request.shape)
-    arrays = [None] * count
-    small = count * size * request.dtype.itemsize <= _ONE_PASS_BYTES
-    per_pass = half if small else _HASHES_PER_PASS
-    for start in range(0, half, per_pass):
-      hashes = min(per_pass, half - start)
-      first, second = _noise.box_muller(_noise.fold_in(key, passes), (hashes * size,), request.dtype)
-      passes += 1
-      chunk = [i for j in range(start, start + hashes) for i in (j, j + half) if i < count]
-      rows = [z.reshape(hashes, size) for z in (first, second)]
-      slices = [rows[i // half][i % half - start] for i in chunk]
-      for i, array in zip(chunk, jax.lax.optimization_barrier(computed_together(*slices))):
-        arrays[i] = array.reshape(request.shape)
-    per_request.append([tuple(arrays[m * request.arrays : (m + 1) * request.arrays]) for m in range(members)])
-  return [[drawn[m] for drawn in per_request] for m in range(members)]
+    first, second = _noise.box_muller(pass_key, (hashes * size,), request.dtype)
+    rows = [z.reshape(hashes, size) for z in (first, second)]
+    slices = [rows[i % 2][i // 2 - start] for i in chunk]
+    for i, array in zip(chunk, jax.lax.optimization_barrier(computed_together(*slices))):
+      arrays[r][i] = array.reshape(request.shape)
+  return [
+    [tuple(drawn[m * request.arrays : (m + 1) * request.arrays]) for request, drawn in zip(made, arrays)]
+    for m in range(members)
+  ]
 
 
 @contextlib.contextmanager

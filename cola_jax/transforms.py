@@ -28,12 +28,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from cola_jax import _compiled, _shared_noise, langevin
 from cola_jax._hyperparameters import check_floating_dtype, check_nonnegative, check_positive
-from cola_jax._numerics import concrete_float, explicit_sharding
+from cola_jax._numerics import computed_after, concrete_float, explicit_sharding
 from cola_jax._tree import ConstraintSpec, LeafLayout
 
 
@@ -155,12 +154,13 @@ def _step_keys(key, noisy: bool, n_leaves: int):
   return key, list(jax.random.split(step_key, n_leaves))
 
 
-def _map_leaves(n_outputs, leaf_step, constraints, params, *columns, keys) -> tuple[list, ...]:
+def _map_leaves(n_outputs, leaf_step, constraints, params, *columns, keys, noise_after) -> tuple[list, ...]:
   """``leaf_step(constraint, param, *column_entries, key)`` for every leaf, transposed.
 
   ``leaf_step`` returns ``n_outputs`` values; with no leaves the result is
   ``n_outputs`` empty lists. ``keys`` holds each leaf's PRNG key (Nones when no
-  noise is drawn).
+  noise is drawn); a group's shared noise is drawn once its members' entries
+  of ``noise_after`` (their gradients) exist.
 
   Leaves that share a constraint, a shape and a dtype (and carry no explicit
   sharding) form a group when either of these pays:
@@ -195,7 +195,8 @@ def _map_leaves(n_outputs, leaf_step, constraints, params, *columns, keys) -> tu
       outputs[i] = step(*(column[i] for column in columns))
       continue
     made = _shared_noise.requests(step, *(column[members[0]] for column in columns)) if sharing else []
-    drawn = _shared_noise.draw(keys[members[0]], made, len(members)) if made else [[]] * len(members)
+    after = [noise_after[i] for i in members]
+    drawn = _shared_noise.draw(keys[members[0]], made, len(members), after) if made else [[]] * len(members)
 
     def served_step(draws, *args):
       with _shared_noise.serving(made, draws):
@@ -229,27 +230,17 @@ def _on_one_cpu_device() -> bool:
 
 
 def _after_gradient(grad: jax.Array, tree):
-  """``tree`` unchanged, but computed from ``grad``: on XLA's CPU backend with one device, not before it.
+  """``tree`` computed after ``grad`` (:func:`~cola_jax._numerics.computed_after`) on XLA's CPU backend with one device.
 
-  XLA's CPU scheduler runs each operation as early as its operands allow, so
-  what a step computes from the parameters and the optimizer state alone (the
+  What a step computes from the parameters and the optimizer state alone (the
   point on the manifold: a normalised slack, a square root, a projection)
-  would run before the forward pass and stay in memory through the backward
-  pass: up to twice the constrained weights' bytes on a 12-block transformer
-  (``benchmarks/update_memory.py``). Each float array of ``tree`` gains
-  ``-0.0`` (``x + -0.0`` is ``x`` for every float, signed zeros and NaN
-  included), made from the sign bit of the gradient's first entry, which the
-  compiler cannot fold. Elsewhere (a slice of a sharded gradient would move
-  data between devices) the tree is returned as it is.
+  would otherwise run before the forward pass and stay in memory through the
+  backward pass: up to twice the constrained weights' bytes on a 12-block
+  transformer (``benchmarks/update_memory.py``). Elsewhere (a slice of a
+  sharded gradient would move data between devices) the tree is returned as
+  it is.
   """
-  if not _on_one_cpu_device() or grad.size == 0:
-    return tree
-  sign = jax.lax.bitcast_convert_type(grad.reshape(-1)[0].astype(jnp.float32), jnp.uint32) & np.uint32(2**31)
-  negative_zero = jax.lax.bitcast_convert_type(sign | np.uint32(2**31), jnp.float32)
-  return jax.tree.map(
-    lambda x: x + negative_zero.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x,
-    tree,
-  )
+  return computed_after(grad, tree) if _on_one_cpu_device() else tree
 
 
 def _stacking_pays() -> bool:
@@ -346,7 +337,7 @@ def cola_od(
       return c.unpack(point, param)
 
     new_params, new_auxes = _map_leaves(
-      2, leaf_step, layout.constraints, layout.compute, grad_leaves, auxes, keys=leaf_keys
+      2, leaf_step, layout.constraints, layout.compute, grad_leaves, auxes, keys=leaf_keys, noise_after=grad_leaves
     )
     return layout.updates(new_params), OverdampedState(
       count=jnp.asarray(optax.safe_increment(state.count)), key=next_key, constraint_states=layout.unflatten(new_auxes)
@@ -464,7 +455,15 @@ def cola_ud(
       return new_param, new_aux, c.store_momentum(momentum, param).astype(stored.dtype)
 
     new_params, new_auxes, new_momenta = _map_leaves(
-      3, leaf_step, layout.constraints, layout.compute, grad_leaves, auxes, momenta, keys=leaf_keys
+      3,
+      leaf_step,
+      layout.constraints,
+      layout.compute,
+      grad_leaves,
+      auxes,
+      momenta,
+      keys=leaf_keys,
+      noise_after=grad_leaves,
     )
     return layout.updates(new_params), UnderdampedState(
       count=jnp.asarray(optax.safe_increment(state.count)),
