@@ -342,8 +342,9 @@ def _computed_together_jvp(primals, tangents):
 def computed_after(grad: jax.Array, tree):
   """``tree`` unchanged, but computed from ``grad``: XLA schedules nothing of it before ``grad`` exists.
 
-  XLA's CPU scheduler runs each operation as early as its operands allow (and
-  expands optimization barriers before it schedules). Each array of ``tree``
+  XLA's CPU scheduler runs each operation as early as its operands allow (an
+  ``optimization_barrier`` with ``grad`` left the 12-block transformer's
+  schedule as it was: a data dependence is needed). Each array of ``tree``
   gains a zero made from the sign bit of ``grad``'s first entry, which the
   compiler cannot fold: floats ``-0.0`` (``x + -0.0`` is ``x`` for every
   float, signed zeros and NaN included), integers and PRNG keys' data ``0``
