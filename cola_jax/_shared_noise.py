@@ -74,7 +74,7 @@ def requests(fn: Callable, *args) -> list[Request]:
 
 
 def draw(
-  key: jax.Array, made: Sequence[Request], members: int, after: Sequence[jax.Array] = ()
+  key: jax.Array, made: Sequence[Request], members: int, after: Sequence[jax.Array]
 ) -> list[list[tuple[jax.Array, ...]]]:
   """For each member, for each request, its arrays: every request drawn once for all members.
 
@@ -114,7 +114,7 @@ def draw(
   for pass_key, (r, start, hashes, waits) in zip(pass_keys, plan):
     request, count = made[r], len(arrays[r])
     chunk = list(range(2 * start, min(2 * (start + hashes), count)))
-    for m in sorted({i // request.arrays for i in chunk}) if waits and after else ():
+    for m in sorted({i // request.arrays for i in chunk}) if waits else ():
       pass_key = computed_after(after[m], pass_key)
     size = math.prod(request.shape)
     first, second = _noise.box_muller(pass_key, (hashes * size,), request.dtype)

@@ -154,13 +154,13 @@ def _step_keys(key, noisy: bool, n_leaves: int):
   return key, list(jax.random.split(step_key, n_leaves))
 
 
-def _map_leaves(n_outputs, leaf_step, constraints, params, *columns, keys, noise_after) -> tuple[list, ...]:
-  """``leaf_step(constraint, param, *column_entries, key)`` for every leaf, transposed.
+def _map_leaves(n_outputs, leaf_step, constraints, params, grads, *columns, keys) -> tuple[list, ...]:
+  """``leaf_step(constraint, param, grad, *column_entries, key)`` for every leaf, transposed.
 
   ``leaf_step`` returns ``n_outputs`` values; with no leaves the result is
   ``n_outputs`` empty lists. ``keys`` holds each leaf's PRNG key (Nones when no
-  noise is drawn); a group's shared noise is drawn once its members' entries
-  of ``noise_after`` (their gradients) exist.
+  noise is drawn); a group's shared noise is drawn once its members' gradients
+  exist.
 
   Leaves that share a constraint, a shape and a dtype (and carry no explicit
   sharding) form a group when either of these pays:
@@ -185,7 +185,7 @@ def _map_leaves(n_outputs, leaf_step, constraints, params, *columns, keys, noise
     group = (_hashable(c), param.shape, param.dtype) if together else i
     groups.setdefault(group, []).append(i)
 
-  columns = (params, *columns, keys)
+  columns = (params, grads, *columns, keys)
   outputs: list[Any] = [None] * len(params)
   for members in groups.values():
     c = constraints[members[0]]
@@ -195,7 +195,7 @@ def _map_leaves(n_outputs, leaf_step, constraints, params, *columns, keys, noise
       outputs[i] = step(*(column[i] for column in columns))
       continue
     made = _shared_noise.requests(step, *(column[members[0]] for column in columns)) if sharing else []
-    after = [noise_after[i] for i in members]
+    after = [grads[i] for i in members]
     drawn = _shared_noise.draw(keys[members[0]], made, len(members), after) if made else [[]] * len(members)
 
     def served_step(draws, *args):
@@ -337,7 +337,7 @@ def cola_od(
       return c.unpack(point, param)
 
     new_params, new_auxes = _map_leaves(
-      2, leaf_step, layout.constraints, layout.compute, grad_leaves, auxes, keys=leaf_keys, noise_after=grad_leaves
+      2, leaf_step, layout.constraints, layout.compute, grad_leaves, auxes, keys=leaf_keys
     )
     return layout.updates(new_params), OverdampedState(
       count=jnp.asarray(optax.safe_increment(state.count)), key=next_key, constraint_states=layout.unflatten(new_auxes)
@@ -455,15 +455,7 @@ def cola_ud(
       return new_param, new_aux, c.store_momentum(momentum, param).astype(stored.dtype)
 
     new_params, new_auxes, new_momenta = _map_leaves(
-      3,
-      leaf_step,
-      layout.constraints,
-      layout.compute,
-      grad_leaves,
-      auxes,
-      momenta,
-      keys=leaf_keys,
-      noise_after=grad_leaves,
+      3, leaf_step, layout.constraints, layout.compute, grad_leaves, auxes, momenta, keys=leaf_keys
     )
     return layout.updates(new_params), UnderdampedState(
       count=jnp.asarray(optax.safe_increment(state.count)),
