@@ -37,7 +37,9 @@ Usage::
   python benchmarks/step_overhead.py --models mlp784 --methods i_cola_od i_cola_ud \
       --repetitions 30                              # per-unit Implicit / Sphere only
 
-Writes ``step_overhead.json`` and ``step_overhead.png`` under ``--out``.
+Writes ``step_overhead.json`` (after every measurement, so that an
+interrupted run keeps what it measured; ``config.complete`` says whether it
+finished) and ``step_overhead.png`` under ``--out``.
 
 JSON keys: ``meta`` (command, argv, date, machine, versions), ``config``
 (hyperparameters, repetitions), ``results`` (one record per model, method,
@@ -532,7 +534,37 @@ def main(argv=None) -> dict:
   except ImportError:
     progress = None
 
+  config = {
+    "smoke": args.smoke,
+    "repetitions": args.repetitions,
+    "warmup": args.warmup,
+    "budget_s": args.budget,
+    "temperatures": temperatures,
+    "models": {
+      m.name: {"sizes": list(m.sizes), "batch": m.batch, "loss": m.loss, "radius": m.radius} for m in models(args.smoke)
+    },
+    "methods": args.methods,
+    "skip_heavy": args.skip_heavy,
+    "timing": "median over interleaved repetitions after warm-up; jit with donated "
+    "params and state; jax.block_until_ready after every call",
+  }
+  json_path = os.path.join(args.out, "step_overhead.json")
   results, state_bytes = [], {}
+
+  def written(floor=None, products=None, complete=False) -> dict:
+    """The report so far, written to ``step_overhead.json``: an interrupted run keeps what it measured."""
+    report = {
+      "meta": provenance(argv, start),
+      "config": {**config, "complete": complete},
+      "results": results,
+      "state_bytes": state_bytes,
+      "targets": targets_from(results),
+      "one_loop_floor": floor,
+      "projection_floor": products,
+    }
+    write_json(json_path, report)
+    return report
+
   key = jax.random.key(args.seed)
   cache: dict[str, Any] = {}
   baselines: dict[tuple, Any] = {}
@@ -570,6 +602,7 @@ def main(argv=None) -> dict:
         "baseline": array_passes(f_b, c_b, largest),
       }
     results.append(record)
+    written()
     if progress is not None:
       progress.set_postfix_str(f"{model.name} {method} tau={temperature:g} {kind}: {record['ratio']:.2f}x")
       progress.update()
@@ -586,32 +619,8 @@ def main(argv=None) -> dict:
     params, batch, loss_fn, _ = cache["spiral8x100"]
     products = projection_floor(params, batch, loss_fn, args.h_o_od, args)
 
-  targets = targets_from(results)
-  report = {
-    "meta": provenance(argv, start),
-    "config": {
-      "smoke": args.smoke,
-      "repetitions": args.repetitions,
-      "warmup": args.warmup,
-      "budget_s": args.budget,
-      "temperatures": temperatures,
-      "models": {
-        m.name: {"sizes": list(m.sizes), "batch": m.batch, "loss": m.loss, "radius": m.radius}
-        for m in models(args.smoke)
-      },
-      "methods": args.methods,
-      "skip_heavy": args.skip_heavy,
-      "timing": "median over interleaved repetitions after warm-up; jit with donated "
-      "params and state; jax.block_until_ready after every call",
-    },
-    "results": results,
-    "state_bytes": state_bytes,
-    "targets": targets,
-    "one_loop_floor": floor,
-    "projection_floor": products,
-  }
-  json_path = os.path.join(args.out, "step_overhead.json")
-  write_json(json_path, report)
+  report = written(floor, products, complete=True)
+  targets = report["targets"]
   plot(results, os.path.join(args.out, "step_overhead.png"))
   print(table(results, state_bytes, targets))
   if floor is not None:

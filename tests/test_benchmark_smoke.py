@@ -29,7 +29,7 @@ def test_smoke_run_writes_the_documented_report(step_overhead, tmp_path):
   meta = report["meta"]
   assert {"command", "argv", "date", "machine"} <= set(meta)
   assert "jax" in meta["machine"] and "cpu_count" in meta["machine"]
-  assert report["config"]["smoke"] is True
+  assert report["config"]["smoke"] is True and report["config"]["complete"] is True
 
   assert report["results"], "no measurement was made"
   for record in report["results"]:
@@ -77,3 +77,19 @@ def test_help_lists_the_options(step_overhead, capsys):
   out = capsys.readouterr().out
   for option in ("--smoke", "--out", "--skip-heavy"):
     assert option in out
+
+
+@pytest.mark.slow  # a long run: the quick suite keeps within its time
+def test_an_interrupted_run_keeps_what_it_measured(step_overhead, tmp_path, monkeypatch):
+  def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(step_overhead, "one_loop_floor", interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    step_overhead.main(["--smoke", "--no-progress", "--out", str(tmp_path)])
+
+  with open(tmp_path / "step_overhead.json") as f:
+    report = json.load(f)
+  assert report["config"]["complete"] is False
+  assert len(report["results"]) == len(step_overhead.SMOKE_JOBS)
+  assert report["one_loop_floor"] is None
