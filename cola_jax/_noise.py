@@ -20,6 +20,14 @@ Inside an update, leaves that share a constraint, a shape and a dtype get their
 draws from one program for the whole group (:mod:`cola_jax._shared_noise`):
 each function below first asks it for the arrays.
 
+On GPU each written-out hash is compiled into every kernel that consumes its
+numbers, and the noise then dominates a deep model's compile time. With
+``jax.config.update("jax_threefry_gpu_kernel_lowering", True)`` every function
+below defers to ``jax.random``, which that flag lowers on GPU to one
+precompiled Threefry kernel per draw; the numbers are then those of the
+``jax.random`` fallbacks documented below. docs/guides/scale.md gives the
+compile and step times measured both ways.
+
 References:
   Salmon, Moraes, Dror, Shaw, *Parallel random numbers: as easy as 1, 2, 3*,
   SC 2011 (Threefry).
@@ -178,8 +186,13 @@ def _to_float(bits):
 
 
 def _threefry_words(key):
-  """The two key words of a Threefry key, or None for other generators and modes."""
-  if not jax.config.jax_threefry_partitionable:  # pyright: ignore[reportAttributeAccessIssue]
+  """The two key words of a Threefry key, or None for other generators and modes.
+
+  None also under ``jax_threefry_gpu_kernel_lowering``: the draws then go
+  through ``jax.random``, which that flag lowers to JAX's Threefry kernel on GPU.
+  """
+  config = jax.config
+  if not config.jax_threefry_partitionable or config.jax_threefry_gpu_kernel_lowering:  # pyright: ignore[reportAttributeAccessIssue]
     return None
   if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     if key.shape != () or "threefry" not in str(jax.random.key_impl(key)):

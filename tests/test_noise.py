@@ -84,6 +84,32 @@ def test_the_original_threefry_mode_is_jax_random_normal():
   assert not np.array_equal(np.asarray(ours), np.asarray(_noise.normal(key, (64,), jnp.float32)))
 
 
+@pytest.fixture
+def threefry_gpu_kernel_lowering():
+  previous = jax.config.jax_threefry_gpu_kernel_lowering  # pyright: ignore[reportAttributeAccessIssue]
+  jax.config.update("jax_threefry_gpu_kernel_lowering", True)
+  yield
+  jax.config.update("jax_threefry_gpu_kernel_lowering", previous)
+
+
+def test_with_jaxs_threefry_kernel_lowering_the_draws_are_jax_randoms(threefry_gpu_kernel_lowering):
+  """The flag lowers ``jax.random``'s Threefry to JAX's kernel on GPU: the written-out hash would bypass it."""
+  key = jax.random.key(3)
+  first, second = _noise.normal_pair(key, (16, 8), jnp.float32)
+  key_first, key_second = jax.random.split(key)
+  np.testing.assert_array_equal(np.asarray(first), np.asarray(jax.random.normal(key_first, (16, 8))))
+  np.testing.assert_array_equal(np.asarray(second), np.asarray(jax.random.normal(key_second, (16, 8))))
+
+  params = {"w": jnp.zeros((64, 32)), "v": jnp.zeros((64, 32))}  # one group of two leaves on CPU
+  tx = cola.c_cola_ud(0.3, friction=1.0, radius=0.05, temperature=1e-3, key=jax.random.key(0))
+  update = lambda: str(jax.make_jaxpr(tx.update)(params, tx.init(params), params))
+  assert "random_bits" in update()
+  jax.config.update("jax_threefry_gpu_kernel_lowering", False)
+  assert "random_bits" not in update()
+  with_hash = _noise.normal_pair(key, (16, 8), jnp.float32)
+  assert not np.array_equal(np.asarray(with_hash[0]), np.asarray(first))
+
+
 def test_standard_normal_moments():
   z = np.asarray(_noise.normal(jax.random.key(0), (200_000,), jnp.float32), np.float64)
   n = z.size
