@@ -131,3 +131,25 @@ def test_orthogonal_floor_smoke_run_writes_its_report(load_benchmark, tmp_path):
     iterations = record.get("projection_iterations")
     assert (iterations is None) == (record["products"] is not None)
     assert iterations is None or 0 <= iterations[0] <= iterations[1]
+
+
+@pytest.mark.slow
+def test_noise_lowering_smoke_run_writes_its_report_and_restores_jaxs_flags(load_benchmark, tmp_path):
+  import jax
+
+  bench = load_benchmark("noise_lowering")
+  flags = ("jax_threefry_partitionable", "jax_threefry_gpu_kernel_lowering")
+  before = {flag: getattr(jax.config, flag) for flag in flags}
+  returned = bench.main(["--smoke", "--out", str(tmp_path)])
+  assert {flag: getattr(jax.config, flag) for flag in flags} == before
+
+  with open(tmp_path / "noise_lowering.json") as f:
+    report = json.load(f)
+  assert report["rows"] == json.loads(json.dumps(returned["rows"]))
+  assert {"command", "argv", "date", "machine", "versions"} <= set(report["meta"])
+  rows = {r["name"]: r for r in report["rows"]}
+  assert list(rows) == [variant[0] for variant in bench.VARIANTS]
+  # The written-out hash is xor rounds in the compiled step, present only where noise is drawn.
+  assert rows["od_circle"]["xor_ops"] == 0 < rows["od_circle_noisy"]["xor_ops"]
+  for row in report["rows"]:
+    assert row["compile_s"] > 0 and row["ratio"] > 0 and row["temp_bytes"] >= 0
