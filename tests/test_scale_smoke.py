@@ -71,6 +71,52 @@ def test_bad_batch_is_a_usage_error(scale, capsys):
   assert "--large must be BATCHxLENGTH" in capsys.readouterr().err
 
 
+def _scale_part(path, rows, sgd_compile_cpu_s, complete=True, depth=12):
+  """A scale.json as a run that measured ``rows`` (name, family, dynamics, temperature, compile CPU s) writes it."""
+
+  def record(name, family, dynamics, temperature, compile_cpu_s):
+    batch = {"compile_s": 1.0, "compile_cpu_s": compile_cpu_s, "temp_bytes": 10**6, "method_ms": 2.0}
+    batch.update(baseline_ms=2.0, ratio=1.0)
+    return dict(name=name, family=family, dynamics=dynamics, temperature=temperature, state_bytes=10**6, small=batch)
+
+  results = [record("sgd_m", None, None, 0.0, sgd_compile_cpu_s), record("adam", None, None, 0.0, 1.0)]
+  results += [record(*row) for row in rows]
+  for r in results:
+    r["large"] = dict(r["small"])
+  meta = {"command": f"scale.py {path}", "argv": [], "date": "d", "machine": {"backend": "gpu"}, "wall_time_s": 1.0}
+  config = {"model": {"depth": depth}, "families": sorted({r[1] for r in rows}), "complete": complete}
+  path.write_text(json.dumps({"meta": meta, "config": config, "params_bytes": 10**6, "results": results}))
+  return str(path)
+
+
+def test_merge_joins_runs_that_split_the_families_each_against_its_own_sgd_m(scale, tmp_path):
+  pytest.importorskip("matplotlib")
+  a = _scale_part(tmp_path / "a.json", [("od_circle_noisy", "circle", "od", 1e-6, 6.0)], sgd_compile_cpu_s=2.0)
+  b = _scale_part(
+    tmp_path / "b.json",
+    [("ud_sphere", "sphere", "ud", 0.0, 9.0), ("od_sphere_noisy", "sphere", "od", 1e-6, 9.0)],
+    sgd_compile_cpu_s=3.0,
+    complete=False,
+  )
+  merged = scale.main(["--merge", a, b, "--out", str(tmp_path / "merged")])
+
+  with open(tmp_path / "merged" / "scale.json") as f:
+    assert json.load(f) == json.loads(json.dumps(merged))
+  assert [r["name"] for r in merged["results"]] == ["sgd_m", "adam", "od_circle_noisy", "od_sphere_noisy", "ud_sphere"]
+  assert merged["results"][0]["small"]["compile_cpu_s"] == 2.0  # the first run's optax rows
+  compile_targets = {t["name"].split()[0]: t["value"] for t in merged["targets"] if "compile" in t["name"]}
+  assert compile_targets == {"od_circle_noisy": 3.0, "od_sphere_noisy": 3.0}  # 6 / 2 and 9 / 3
+  assert merged["config"]["families"] == ["circle", "sphere"] and merged["config"]["complete"] is False
+  assert [run["command"] for run in merged["merged_from"]] == [f"scale.py {a}", f"scale.py {b}"]
+  assert merged["meta"]["machine"] == {"backend": "gpu"}
+
+  with pytest.raises(SystemExit, match="repeats od_circle_noisy"):
+    scale.main(["--merge", a, a, "--out", str(tmp_path / "twice")])
+  other = _scale_part(tmp_path / "c.json", [("ud_box", "box", "ud", 0.0, 1.0)], sgd_compile_cpu_s=1.0, depth=24)
+  with pytest.raises(SystemExit, match="ran another protocol"):
+    scale.main(["--merge", a, other, "--out", str(tmp_path / "other")])
+
+
 def test_update_memory_counts_the_kernels_that_compile_time_follows(load_benchmark, tmp_path):
   update_memory = load_benchmark("update_memory")
   update_memory.main(
