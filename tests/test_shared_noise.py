@@ -115,3 +115,18 @@ def test_the_groups_noise_is_drawn_after_the_gradients_not_held_through_the_back
   # Drawn from the key alone, the whole group's noise (6 members' arrays) was drawn first and held.
   extra = temporaries_in_leaves(dynamics, constraint, 1e-4) - temporaries_in_leaves(dynamics, constraint, 0.0)
   assert extra <= 2 * arrays_per_member
+
+
+def test_grouped_implicit_leaves_read_their_groups_draw(monkeypatch):
+  # On XLA:CPU an Implicit leaf's own draw is written to memory through a conditional; a member of a
+  # group reads the group's draw, already in memory, and must not draw again in another branch.
+  def conditionals() -> int:
+    constraint = cola.Implicit(equality=lambda u: jnp.stack([jnp.sum(u), jnp.sum(u * u) - 1]), axis=0)
+    params = {f"w{i}": jax.random.normal(jax.random.key(i), (16, 8)) for i in range(3)}
+    params = cola.project_params(params, constraint)
+    tx = cola.cola_ud(0.1, friction=1.0, constraints=constraint, temperature=1e-2, key=jax.random.key(0))
+    return jax.jit(tx.update).lower(params, tx.init(params), params).compile().as_text().count(" conditional(")
+
+  assert conditionals() == 0
+  monkeypatch.setattr(transforms, "_sharing_noise_pays", lambda: False)
+  assert conditionals() == 3  # leaf by leaf: each writes its own draw once

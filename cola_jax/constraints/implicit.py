@@ -124,7 +124,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cola_jax import _compiled, _noise
+from cola_jax import _compiled, _noise, _shared_noise
 from cola_jax._hyperparameters import check_loop, check_positive, check_positive_integer
 from cola_jax._numerics import bounded_while_loop, max_abs
 from cola_jax.constraints import _axes
@@ -301,7 +301,13 @@ def _drawn_once(key, shape, dtype):
   is written once. Both branches give the same numbers
   (:func:`~cola_jax._noise.normal` is ``jax.random.normal`` bit for bit, in
   a different program that XLA does not merge), so any predicate will do.
+  A leaf whose noise its group draws (:mod:`cola_jax._shared_noise`) reads
+  that draw, already in memory: no conditional, whose other branch would
+  draw numbers of its own.
   """
+  served = _shared_noise.intercept(1, shape, dtype, None)
+  if served is not None:
+    return served[0]
   draw = lambda: _noise.normal(key, shape, dtype)
   if jax.default_backend() != "cpu":  # multi-output fusion: nothing is recomputed
     return draw()
