@@ -685,3 +685,23 @@ def test_unreachable_manifold_is_an_error_or_a_flag():
   assert not bool(state.constraint_states.converged)
   np.testing.assert_array_equal(updates, 0)
   assert float(cola.constraint_residuals(x, state)) > 1  # reported, not hidden
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the conditional that writes the noise once is XLA:CPU's")
+def test_noise_under_vmap_over_keys_is_drawn_once_not_in_both_branches_of_a_select():
+  # vmap turns a conditional with a batched predicate into a select that computes both branches:
+  # the written-out draw and jax.random.normal's rolled loops, every step and for every key.
+  constraint = cola.Implicit(equality=lambda u: jnp.stack([jnp.sum(u), jnp.sum(u * u) - 1]), axis=0)
+  params = cola.project_params({"w": jax.random.normal(jax.random.key(0), (16, 8))}, constraint)
+  make_tx = lambda key: cola.cola_ud(0.1, friction=1.0, constraints=constraint, temperature=1e-2, key=key)
+
+  def update(key):
+    tx = make_tx(key)
+    return tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)[0]
+
+  keys = jax.random.split(jax.random.key(1), 3)
+  text = jax.jit(jax.vmap(update)).lower(keys).compile().as_text()
+  assert text.count(" conditional(") == 1
+  batched = jax.jit(jax.vmap(update))(keys)
+  for i, key in enumerate(keys):  # each key's noise is the one it draws alone
+    np.testing.assert_allclose(batched["w"][i], jax.jit(update)(key)["w"], rtol=1e-6, atol=1e-7)

@@ -298,12 +298,15 @@ def _drawn_once(key, shape, dtype):
   The projections read an ambient noise vector in several loops (one per
   reduction, and the result), and XLA:CPU, which has no multi-output fusion,
   would recompute the generator's hash in each. The result of a conditional
-  is written once. Both branches give the same numbers
+  is written once. Its predicate is a true that XLA cannot see through (an
+  optimization barrier): the written-out draw runs every step, and under
+  ``vmap`` the predicate stays unbatched, where a batched one would turn the
+  conditional into a select of both branches, each computed. The other
+  branch, never taken, gives the same numbers
   (:func:`~cola_jax._noise.normal` is ``jax.random.normal`` bit for bit, in
-  a different program that XLA does not merge), so any predicate will do.
-  A leaf whose noise its group draws (:mod:`cola_jax._shared_noise`) reads
-  that draw, already in memory: no conditional, whose other branch would
-  draw numbers of its own.
+  a different program that XLA does not merge). A leaf whose noise its group
+  draws (:mod:`cola_jax._shared_noise`) reads that draw, already in memory,
+  with no conditional.
   """
   served = _shared_noise.intercept(1, shape, dtype, None)
   if served is not None:
@@ -311,8 +314,8 @@ def _drawn_once(key, shape, dtype):
   draw = lambda: _noise.normal(key, shape, dtype)
   if jax.default_backend() != "cpu":  # multi-output fusion: nothing is recomputed
     return draw()
-  bits = jax.random.key_data(key).ravel()
-  return jax.lax.cond(bits[0] >= bits[-1], draw, lambda: jax.random.normal(key, shape, dtype))
+  always = jax.lax.optimization_barrier(jnp.array(True))
+  return jax.lax.cond(always, draw, lambda: jax.random.normal(key, shape, dtype))
 
 
 # Up to this many components per unit, G G^T is built from separate passes over
