@@ -345,7 +345,11 @@ def merged(paths: list[str], argv: list) -> dict:
   merged_from = [{k: part["meta"][k] for k in ("command", "date", "machine", "wall_time_s")} for part in parts]
   now = provenance(argv, time.perf_counter())
   return {
-    "meta": {**parts[0]["meta"], **{k: now[k] for k in ("command", "argv", "date")}},
+    "meta": {
+      **parts[0]["meta"],
+      **{k: now[k] for k in ("command", "argv", "date")},
+      "wall_time_s": sum(run["wall_time_s"] for run in merged_from),
+    },
     "config": {
       **fixed,
       "families": [f for f in FAMILIES if any(r["family"] == f for r in results)],

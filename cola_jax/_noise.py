@@ -21,7 +21,8 @@ draws from one program for the whole group (:mod:`cola_jax._shared_noise`):
 each function below first asks it for the arrays.
 
 On GPU each written-out hash is compiled into every kernel that consumes its
-numbers, and the noise then dominates a deep model's compile time. With
+numbers: on an H100 a 3-block transformer's noisy step compiled 1.5 to 1.9
+times as long as without noise. With
 ``jax.config.update("jax_threefry_gpu_kernel_lowering", True)`` every function
 below defers to ``jax.random``, which that flag lowers on GPU to one
 precompiled Threefry kernel per draw; the numbers are then those of the

@@ -108,7 +108,7 @@ def test_merge_joins_runs_that_split_the_families_each_against_its_own_sgd_m(sca
   assert compile_targets == {"od_circle_noisy": 3.0, "od_sphere_noisy": 3.0}  # 6 / 2 and 9 / 3
   assert merged["config"]["families"] == ["circle", "sphere"] and merged["config"]["complete"] is False
   assert [run["command"] for run in merged["merged_from"]] == [f"scale.py {a}", f"scale.py {b}"]
-  assert merged["meta"]["machine"] == {"backend": "gpu"}
+  assert merged["meta"]["machine"] == {"backend": "gpu"} and merged["meta"]["wall_time_s"] == 2.0
 
   with pytest.raises(SystemExit, match="repeats od_circle_noisy"):
     scale.main(["--merge", a, a, "--out", str(tmp_path / "twice")])
