@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src import config as jax_config
 from scipy import stats
 
 import cola_jax as cola
@@ -84,27 +85,22 @@ def test_the_original_threefry_mode_is_jax_random_normal():
   assert not np.array_equal(np.asarray(ours), np.asarray(_noise.normal(key, (64,), jnp.float32)))
 
 
-@pytest.fixture
-def threefry_gpu_kernel_lowering():
-  previous = jax.config.jax_threefry_gpu_kernel_lowering  # pyright: ignore[reportAttributeAccessIssue]
-  jax.config.update("jax_threefry_gpu_kernel_lowering", True)
-  yield
-  jax.config.update("jax_threefry_gpu_kernel_lowering", previous)
-
-
-def test_with_jaxs_threefry_kernel_lowering_the_draws_are_jax_randoms(threefry_gpu_kernel_lowering):
+def test_with_jaxs_threefry_kernel_lowering_the_draws_are_jax_randoms():
   """The flag lowers ``jax.random``'s Threefry to JAX's kernel on GPU: the written-out hash would bypass it."""
+  # The flag's context manager sets it for this thread only and restores it: no other test sees it.
+  kernel_lowering = jax_config.threefry_gpu_kernel_lowering
   key = jax.random.key(3)
-  first, second = _noise.normal_pair(key, (16, 8), jnp.float32)
+  params = {"w": jnp.zeros((64, 32)), "v": jnp.zeros((64, 32))}  # one group of two leaves on CPU
+  tx = cola.c_cola_ud(0.3, friction=1.0, radius=0.05, temperature=1e-3, key=jax.random.key(0))
+  update = lambda: str(jax.make_jaxpr(tx.update)(params, tx.init(params), params))
+  with kernel_lowering(True):
+    first, second = _noise.normal_pair(key, (16, 8), jnp.float32)
+    assert "random_bits" in update()
   key_first, key_second = jax.random.split(key)
   np.testing.assert_array_equal(np.asarray(first), np.asarray(jax.random.normal(key_first, (16, 8))))
   np.testing.assert_array_equal(np.asarray(second), np.asarray(jax.random.normal(key_second, (16, 8))))
 
-  params = {"w": jnp.zeros((64, 32)), "v": jnp.zeros((64, 32))}  # one group of two leaves on CPU
-  tx = cola.c_cola_ud(0.3, friction=1.0, radius=0.05, temperature=1e-3, key=jax.random.key(0))
-  update = lambda: str(jax.make_jaxpr(tx.update)(params, tx.init(params), params))
-  assert "random_bits" in update()
-  jax.config.update("jax_threefry_gpu_kernel_lowering", False)
+  assert not jax.config.jax_threefry_gpu_kernel_lowering  # pyright: ignore[reportAttributeAccessIssue]
   assert "random_bits" not in update()
   with_hash = _noise.normal_pair(key, (16, 8), jnp.float32)
   assert not np.array_equal(np.asarray(with_hash[0]), np.asarray(first))
