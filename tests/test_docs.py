@@ -95,11 +95,17 @@ def test_page_runs_top_to_bottom(page):
     if any(re.search(rf"^\s*(from|import) {re.escape(module)}\b", b, flags=re.MULTILINE) for b in blocks):
       pytest.importorskip(module)
   namespace = {}
-  for block in blocks:
-    exec(compile(block, str(page), "exec"), namespace)
-    for line, check in CLAIMS.items():
-      if line in block:
-        check(namespace)
+  config = jax.config.values
+  try:
+    for block in blocks:
+      exec(compile(block, str(page), "exec"), namespace)
+      for line, check in CLAIMS.items():
+        if line in block:
+          check(namespace)
+  finally:  # a page may set JAX's flags, as its reader would; the tests after it in this process must not see them
+    for name, value in config.items():
+      if jax.config.values[name] != value:
+        jax.config.update(name, value)
 
 
 def test_every_page_has_a_title():
