@@ -90,29 +90,31 @@ def main(argv=None) -> dict:
   defaults = {name: getattr(jax.config, name) for name in (*JAX_RANDOM, *GPU_KERNEL)}
   fresh = lambda tree: jax.tree.map(jnp.copy, tree)
   rows, path = [], os.path.join(args.out, "noise_lowering.json")
-  for name, family, dynamics, temperature, flags in VARIANTS:
-    if args.deadline is not None and time.perf_counter() - started > args.deadline:
-      print(f"deadline: stopped before {name}")
-      break
-    for flag, value in {**defaults, **flags}.items():
+  config = {"depth": args.depth, "batch": "2x64", "temperature": 1e-6, "deadline_s": args.deadline}
+  try:
+    for name, family, dynamics, temperature, flags in VARIANTS:
+      if args.deadline is not None and time.perf_counter() - started > args.deadline:
+        print(f"deadline: stopped before {name}")
+        break
+      for flag, value in {**defaults, **flags}.items():
+        jax.config.update(flag, value)
+      tx, constraints = scale.make_method(name, family, dynamics, temperature, False)
+      start = params if constraints is None else cola.project_params(params, constraints)
+      compiled, cost = compile_cost(scale.training_step(model, tx), start, tx.init(start), tokens)
+      text = compiled.as_text() or ""
+      cost.update(xor_ops=text.count(" xor("), custom_calls=text.count("custom-call("))
+      carries = ((fresh(start), fresh(tx.init(start)), tokens), (fresh(params), sgd_m.init(params), tokens))
+      cost.update(pair_summary(*measure_pair((compiled, baseline), carries, 1, 30, 3.0)))
+      rows.append({"name": name, "flags": flags, **cost})
+      print(
+        f"{name:30s} compile {cost['compile_s']:6.1f} s, {cost['compile_cpu_s']:6.1f} CPU s; fusions "
+        f"{cost['fusions']}, xor {cost['xor_ops']}, custom calls {cost['custom_calls']}; temporaries "
+        f"{cost['temp_bytes'] / 1e6:.0f} MB; step {cost['method_ms']:.2f} ms ({cost['ratio']:.2f}x sgd_m)"
+      )
+      write_json(path, {"meta": provenance(argv, started, packages=("flax",)), "config": config, "rows": rows})
+  finally:  # JAX's flags as they were, an interrupted run too
+    for flag, value in defaults.items():
       jax.config.update(flag, value)
-    tx, constraints = scale.make_method(name, family, dynamics, temperature, False)
-    start = params if constraints is None else cola.project_params(params, constraints)
-    compiled, cost = compile_cost(scale.training_step(model, tx), start, tx.init(start), tokens)
-    text = compiled.as_text() or ""
-    cost.update(xor_ops=text.count(" xor("), custom_calls=text.count("custom-call("))
-    carries = ((fresh(start), fresh(tx.init(start)), tokens), (fresh(params), sgd_m.init(params), tokens))
-    cost.update(pair_summary(*measure_pair((compiled, baseline), carries, 1, 30, 3.0)))
-    rows.append({"name": name, "flags": flags, **cost})
-    print(
-      f"{name:30s} compile {cost['compile_s']:6.1f} s, {cost['compile_cpu_s']:6.1f} CPU s; fusions "
-      f"{cost['fusions']}, xor {cost['xor_ops']}, custom calls {cost['custom_calls']}; temporaries "
-      f"{cost['temp_bytes'] / 1e6:.0f} MB; step {cost['method_ms']:.2f} ms ({cost['ratio']:.2f}x sgd_m)"
-    )
-    config = {"depth": args.depth, "batch": "2x64", "temperature": 1e-6, "deadline_s": args.deadline}
-    write_json(path, {"meta": provenance(argv, started, packages=("flax",)), "config": config, "rows": rows})
-  for flag, value in defaults.items():
-    jax.config.update(flag, value)
   print(f"wrote {path}")
   return {"rows": rows}
 
