@@ -116,15 +116,15 @@ def kernel_constraints(family: str, scan: bool):
   return cola.path_constraints([(r"^(layers|block_\d+)/.*/kernel$", family_constraint(family, scan))])
 
 
-def make_method(name: str, family: str | None, dynamics: str | None, temperature: float, scan: bool):
-  """(transform, constraint spec or None) of a result row."""
+def make_method(name: str, family: str | None, dynamics: str | None, temperature: float, scan: bool, seed: int = 1):
+  """(transform, constraint spec or None) of a result row; with noise, its key is ``jax.random.key(seed)``."""
   if name == "sgd_m":
     return optax.sgd(0.01, momentum=0.9), None
   if name == "adam":
     return optax.adam(1e-3), None
   assert family is not None
   constraints = kernel_constraints(family, scan)
-  noise = {"temperature": temperature, "key": jax.random.key(1)} if temperature > 0 else {}
+  noise = {"temperature": temperature, "key": jax.random.key(seed)} if temperature > 0 else {}
   if dynamics == "od":
     return cola.cola_od(H_OD, constraints=constraints, **noise), constraints
   return cola.cola_ud(H_UD, friction=FRICTION, constraints=constraints, **noise), constraints

@@ -199,3 +199,20 @@ def test_noise_lowering_smoke_run_writes_its_report_and_restores_jaxs_flags(load
   assert rows["od_circle"]["xor_ops"] == 0 < rows["od_circle_noisy"]["xor_ops"]
   for row in report["rows"]:
     assert row["compile_s"] > 0 and row["ratio"] > 0 and row["temp_bytes"] >= 0
+
+
+@pytest.mark.slow
+def test_compile_cache_smoke_run_loads_each_step_in_the_second_process(load_benchmark, tmp_path):
+  bench = load_benchmark("compile_cache")
+  returned = bench.main(["--smoke", "--families", "circle", "--dynamics", "od", "--out", str(tmp_path)])
+
+  with open(tmp_path / "compile_cache.json") as f:
+    report = json.load(f)
+  assert report["results"] == json.loads(json.dumps(returned["results"]))
+  assert {"command", "argv", "date", "machine", "versions"} <= set(report["meta"])
+  assert [r["name"] for r in report["results"]] == ["sgd_m", "adam", "od_circle_noisy"]
+  for record in report["results"]:
+    assert record["miss"]["cache_events"] == ["/jax/compilation_cache/cache_misses"], record["name"]
+    assert record["hit"]["cache_events"] == ["/jax/compilation_cache/cache_hits"], record["name"]
+    assert record["miss"]["seed"] != record["hit"]["seed"]
+    assert record["miss"]["compile_cpu_s"] > 0 and record["hit"]["compile_cpu_s"] > 0

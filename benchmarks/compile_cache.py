@@ -1,0 +1,158 @@
+#!/usr/bin/env python
+"""Compile once for many runs: JAX's persistent compilation cache on the deep transformer of scale.py.
+
+With ``jax.config.update("jax_compilation_cache_dir", DIR)`` JAX writes each
+compiled program to ``DIR`` and a later process that compiles the same program
+loads it instead. A CoLA step's program does not depend on the seed (the key is
+part of the optimizer state, an argument), so runs over seeds in separate
+processes, a restarted notebook or a resumed overnight run compile once. For
+each method (the optax baselines, then every family and dynamics of scale.py
+with noise), one process compiles the training step at the small batch with a
+fresh cache (a miss: compiled and written), then another process with another
+seed compiles it again (a hit: loaded). Measured in each: this process's CPU
+seconds and the wall clock of ``lower(...).compile()``, and JAX's cache events.
+
+Usage::
+
+  OPENBLAS_NUM_THREADS=1 python benchmarks/compile_cache.py         # 12 blocks, width 512: about 15 min on 2 cores
+  python benchmarks/compile_cache.py --families circle --dynamics od --depth 2    # a quick look
+  python benchmarks/compile_cache.py --smoke                        # a 1-block width-32 model, a temporary folder
+
+Writes ``compile_cache.json`` under ``--out``. JSON keys: ``meta`` (command,
+date, machine, versions), ``config``, ``results`` (one record per method:
+``name``, ``family``, ``dynamics``, ``temperature``, ``miss`` and ``hit``, each
+with ``seed``, ``compile_cpu_s``, ``compile_s`` and ``cache_events``).
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
+from _common import provenance, write_json
+from harness import report
+
+CACHE_EVENTS = ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses")
+SMOKE_MODEL = {"depth": 1, "width": 32, "vocab": 64}
+
+
+def compile_with_cache(name: str, family: str | None, dynamics: str | None, seed: int, cache: str, args) -> dict:
+  """In this process, with the persistent cache at ``cache``: compile ``name``'s step and what it cost."""
+  import jax
+
+  jax.config.update("jax_compilation_cache_dir", cache)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  events = []
+  jax.monitoring.register_event_listener(lambda event, **kwargs: events.append(event))
+
+  import scale
+
+  import cola_jax as cola
+
+  model = scale.transformer(argparse.Namespace(**vars(args), scan=False))
+  tokens = jax.random.randint(jax.random.key(2), scale.batch_shape(args.batch), 0, args.vocab)
+  params = jax.jit(lambda k: model.init(k, tokens[:, :-1])["params"])(jax.random.key(0))
+  tx, constraints = scale.make_method(name, family, dynamics, args.temperature if family else 0.0, False, seed)
+  start = params if constraints is None else cola.project_params(params, constraints)
+  lowered = scale.training_step(model, tx).lower(start, tx.init(start), tokens)
+  events.clear()  # what the model's init and the projections compiled is not the step's
+  wall, cpu = time.perf_counter(), time.process_time()
+  lowered.compile()
+  return {
+    "seed": seed,
+    "compile_cpu_s": time.process_time() - cpu,
+    "compile_s": time.perf_counter() - wall,
+    "cache_events": sorted(event for event in set(events) if event in CACHE_EVENTS),
+  }
+
+
+def rows(args) -> list[tuple]:
+  """(name, family, dynamics): the optax baselines, then every family and dynamics with noise."""
+  out = [("sgd_m", None, None), ("adam", None, None)]
+  return out + [(f"{d}_{f}_noisy", f, d) for f in args.families for d in args.dynamics]
+
+
+def parse_args(argv=None):
+  from scale import DYNAMICS, FAMILIES
+
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--smoke", action="store_true", help="a 1-block width-32 model: a check that runs in a minute")
+  p.add_argument("--out", default=None, help="output directory (default: results/; --smoke: a new temporary folder)")
+  p.add_argument("--depth", type=int, default=12, help="transformer blocks")
+  p.add_argument("--width", type=int, default=512, help="model width (heads: width / 64, at least 1)")
+  p.add_argument("--vocab", type=int, default=1024, help="vocabulary size")
+  p.add_argument("--batch", default="2x64", help="BATCHxLENGTH tokens of the step")
+  p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+  p.add_argument("--dynamics", nargs="+", default=list(DYNAMICS), choices=DYNAMICS)
+  p.add_argument("--temperature", type=float, default=1e-6)
+  p.add_argument("--child", nargs=5, metavar=("NAME", "FAMILY", "DYNAMICS", "SEED", "CACHE"), help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  if args.smoke:
+    for key, value in SMOKE_MODEL.items():
+      setattr(args, key, value)
+    args.batch = "2x8"
+  return args
+
+
+def model_flags(args) -> list[str]:
+  return ["--depth", str(args.depth), "--width", str(args.width), "--vocab", str(args.vocab), "--batch", args.batch]
+
+
+def main(argv=None) -> dict:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  args = parse_args(argv)
+  if args.child:
+    name, family, dynamics, seed, cache = args.child
+    family, dynamics = (None if v == "-" else v for v in (family, dynamics))
+    child_args = argparse.Namespace(
+      depth=args.depth, width=args.width, vocab=args.vocab, batch=args.batch, temperature=args.temperature
+    )
+    print(json.dumps(compile_with_cache(name, family, dynamics, int(seed), cache, child_args)))
+    return {}
+  started = time.perf_counter()
+  args.out = report.output_dir(args.out or (None if args.smoke else "results/"), "compile_cache")
+  results = []
+  with tempfile.TemporaryDirectory(prefix="cola_compile_cache_") as cache:
+    for name, family, dynamics in rows(args):
+      temperature = args.temperature if family else 0.0
+      record = {"name": name, "family": family, "dynamics": dynamics, "temperature": temperature}
+      for outcome, seed in (("miss", 1), ("hit", 2)):
+        command = [sys.executable, __file__, *model_flags(args), "--temperature", str(args.temperature)]
+        command += ["--child", name, family or "-", dynamics or "-", str(seed), cache]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+          raise RuntimeError(f"{name}, {outcome}: the child process failed:\n{done.stderr[-3000:]}")
+        record[outcome] = json.loads(done.stdout.strip().splitlines()[-1])
+      results.append(record)
+      miss, hit = record["miss"], record["hit"]
+      print(
+        f"{name:24s} compile CPU s: first {miss['compile_cpu_s']:6.2f} {miss['cache_events']}, "
+        f"another seed {hit['compile_cpu_s']:6.2f} {hit['cache_events']}",
+        flush=True,
+      )
+  result = {
+    "meta": provenance(argv, started, packages=("flax",)),
+    "config": {
+      "smoke": args.smoke,
+      "model": {"depth": args.depth, "width": args.width, "vocab": args.vocab, "scan": False},
+      "batch": args.batch,
+      "temperature": args.temperature,
+      "families": args.families,
+      "dynamics": args.dynamics,
+    },
+    "results": results,
+  }
+  write_json(os.path.join(args.out, "compile_cache.json"), result)
+  print(f"\nwrote {os.path.join(args.out, 'compile_cache.json')}")
+  return result
+
+
+if __name__ == "__main__":
+  main()
