@@ -216,3 +216,22 @@ def test_compile_cache_smoke_run_loads_each_step_in_the_second_process(load_benc
     assert record["hit"]["cache_events"] == ["/jax/compilation_cache/cache_hits"], record["name"]
     assert record["miss"]["seed"] != record["hit"]["seed"]
     assert record["miss"]["compile_cpu_s"] > 0 and record["hit"]["compile_cpu_s"] > 0
+
+
+@pytest.mark.slow
+def test_compile_phases_smoke_run_splits_each_compile_into_xlas_phases(load_benchmark, tmp_path):
+  bench = load_benchmark("compile_phases")
+  returned = bench.main(["--smoke", "--out", str(tmp_path)])
+
+  with open(tmp_path / "compile_phases.json") as f:
+    report = json.load(f)
+  assert report["results"] == json.loads(json.dumps(returned["results"]))
+  assert {"command", "argv", "date", "machine", "versions"} <= set(report["meta"])
+  rows = {r["name"]: r for r in report["results"]}
+  assert list(rows) == [variant[0] for variant in bench.VARIANTS]
+  for row in report["results"]:
+    assert row["hlo_instructions"] > 0 and row["fusions"] > 0
+    assert 0 < row["hlo_passes_s"] < row["backend_s"] and row["codegen_s"] > 0
+  # The written-out hashes are in the program only where noise is drawn.
+  noisy = rows["od_circle_noisy"]
+  assert rows["od_circle"]["hlo_xor"] == 0 < noisy["hlo_xor"] <= noisy["compiled_xor"]

@@ -1,0 +1,174 @@
+#!/usr/bin/env python
+"""Where a step's compile time goes: XLA's HLO passes and its code generation, with noise and without.
+
+For each variant, in a process of its own, the 12-block transformer of
+scale.py (``--depth`` blocks) and a method's training step at 2 x 64 tokens:
+the instructions of the program XLA receives (``lower(...).as_text("hlo")``,
+and the ``xor`` among them: the written-out noise hashes), then its compile
+under ``jax.profiler``, whose trace of XLA's own events splits the compile's
+wall clock into the HLO passes (optimisation, fusion, layout, scheduling) and
+the rest (each fusion's code generated and compiled by LLVM, the program
+assembled). Also the compile's process CPU seconds, the compiled fusions and
+XLA's temporary bytes.
+
+Variants: SGD-m; CoLA-od and CoLA-ud on ``Circle(0.2)`` at temperature 0 and
+with noise; with noise also ``one pass``: each group of same-shape leaves drawing
+its noise in one pass (``cola_jax._shared_noise._ONE_PASS_BYTES`` unbounded),
+where by default a group of large leaves draws one pass per member once its
+gradient exists: fewer copies of the hash in the program, against holding the
+group's noise at once.
+
+Usage::
+
+  OPENBLAS_NUM_THREADS=1 python benchmarks/compile_phases.py          # results/compile_phases.json, a few minutes
+  python benchmarks/compile_phases.py --smoke                         # a 1-block width-32 model, a temporary folder
+
+JSON keys: ``meta``, ``config``, ``results`` (one record per variant: ``name``,
+``method``, ``one_pass``, ``hlo_instructions``, ``hlo_xor``, ``compile_cpu_s``,
+``compile_s``, ``backend_s`` (XLA's compile and load, wall clock), ``hlo_passes_s``
+(its HLO passes), ``codegen_s`` (the difference), ``fusions`` and ``compiled_xor``
+(of the compiled program: a hash written into several kernels counts once in each),
+``temp_bytes``).
+"""
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
+from _common import provenance, write_json
+from harness import report
+
+# (name, method of scale.py, whether the groups draw in one pass)
+VARIANTS = (
+  ("sgd_m", "sgd_m", False),
+  ("od_circle", "od_circle", False),
+  ("od_circle_noisy", "od_circle_noisy", False),
+  ("od_circle_noisy_one_pass", "od_circle_noisy", True),
+  ("ud_circle", "ud_circle", False),
+  ("ud_circle_noisy", "ud_circle_noisy", False),
+  ("ud_circle_noisy_one_pass", "ud_circle_noisy", True),
+)
+SMOKE_MODEL = {"depth": 1, "width": 32, "vocab": 64}
+
+
+def xla_event_seconds(trace_dir: str) -> dict:
+  """Wall-clock seconds of XLA's compile and load, and of its HLO passes, from a profiler trace."""
+  (path,) = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz"))
+  with gzip.open(path) as f:
+    events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+  total = lambda prefix: sum(e["dur"] for e in events if e["name"].startswith(prefix)) / 1e6
+  return {"backend_s": total("backend_compile_and_load"), "hlo_passes_s": total("HLO passes ")}
+
+
+def measure(method: str, one_pass: bool, args) -> dict:
+  """In this process: the program's size and its compile's phases."""
+  import jax
+  import scale
+
+  import cola_jax as cola
+  from cola_jax import _shared_noise
+
+  if one_pass:
+    _shared_noise._ONE_PASS_BYTES = float("inf")
+  model = scale.transformer(argparse.Namespace(depth=args.depth, width=args.width, vocab=args.vocab, scan=False))
+  tokens = jax.random.randint(jax.random.key(2), scale.batch_shape(args.batch), 0, args.vocab)
+  params = jax.jit(lambda k: model.init(k, tokens[:, :-1])["params"])(jax.random.key(0))
+  dynamics, _, rest = method.partition("_")
+  family = None if method == "sgd_m" else rest.removesuffix("_noisy")
+  temperature = args.temperature if method.endswith("_noisy") else 0.0
+  tx, constraints = scale.make_method(method, family, dynamics, temperature, False)
+  start = params if constraints is None else cola.project_params(params, constraints)
+  lowered = scale.training_step(model, tx).lower(start, tx.init(start), tokens)
+  hlo = lowered.as_text(dialect="hlo")
+  with tempfile.TemporaryDirectory() as trace_dir:
+    jax.profiler.start_trace(trace_dir)
+    wall, cpu = time.perf_counter(), time.process_time()
+    compiled = lowered.compile()
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    jax.profiler.stop_trace()
+    phases = xla_event_seconds(trace_dir)
+  text = compiled.as_text() or ""
+  return {
+    "hlo_instructions": len(re.findall(r"^\s*(?:ROOT )?%?[\w.\-]+ = ", hlo, flags=re.MULTILINE)),
+    "hlo_xor": len(re.findall(r" xor\(", hlo)),
+    "compile_cpu_s": cpu,
+    "compile_s": wall,
+    **phases,
+    "codegen_s": phases["backend_s"] - phases["hlo_passes_s"],
+    "fusions": len(re.findall(r" fusion\(", text)),
+    "compiled_xor": len(re.findall(r" xor\(", text)),
+    "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+  }
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--smoke", action="store_true", help="a 1-block width-32 model: a check that runs in a minute")
+  p.add_argument("--out", default=None, help="output directory (default: results/; --smoke: a new temporary folder)")
+  p.add_argument("--depth", type=int, default=12, help="transformer blocks")
+  p.add_argument("--width", type=int, default=512, help="model width (heads: width / 64, at least 1)")
+  p.add_argument("--vocab", type=int, default=1024, help="vocabulary size")
+  p.add_argument("--batch", default="2x64", help="BATCHxLENGTH tokens of the step")
+  p.add_argument("--temperature", type=float, default=1e-6)
+  p.add_argument("--child", nargs=2, metavar=("METHOD", "ONE_PASS"), help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  if args.smoke:
+    for key, value in SMOKE_MODEL.items():
+      setattr(args, key, value)
+    args.batch = "2x8"
+  return args
+
+
+def main(argv=None) -> dict:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  args = parse_args(argv)
+  model_flags = ["--depth", str(args.depth), "--width", str(args.width), "--vocab", str(args.vocab)]
+  model_flags += ["--batch", args.batch, "--temperature", str(args.temperature)]
+  if args.child:
+    print(json.dumps(measure(args.child[0], args.child[1] == "one_pass", args)))
+    return {}
+  started = time.perf_counter()
+  args.out = report.output_dir(args.out or (None if args.smoke else "results/"), "compile_phases")
+  results = []
+  for name, method, one_pass in VARIANTS:
+    command = [sys.executable, __file__, *model_flags, "--child", method, "one_pass" if one_pass else "default"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+      raise RuntimeError(f"{name}: the child process failed:\n{done.stderr[-3000:]}")
+    record = {"name": name, "method": method, "one_pass": one_pass, **json.loads(done.stdout.strip().splitlines()[-1])}
+    results.append(record)
+    print(
+      f"{name:26s} {record['hlo_instructions']:6d} HLO instructions ({record['hlo_xor']:5d} xor), "
+      f"compile {record['compile_cpu_s']:5.1f} CPU s: HLO passes {record['hlo_passes_s']:4.1f} s, "
+      f"codegen {record['codegen_s']:4.1f} s; {record['fusions']} fusions ({record['compiled_xor']} xor), "
+      f"temporaries {record['temp_bytes'] / 1e6:6.1f} MB",
+      flush=True,
+    )
+  result = {
+    "meta": provenance(argv, started, packages=("flax",)),
+    "config": {
+      "smoke": args.smoke,
+      "model": {"depth": args.depth, "width": args.width, "vocab": args.vocab, "scan": False},
+      "batch": args.batch,
+      "temperature": args.temperature,
+    },
+    "results": results,
+  }
+  write_json(os.path.join(args.out, "compile_phases.json"), result)
+  print(f"\nwrote {os.path.join(args.out, 'compile_phases.json')}")
+  return result
+
+
+if __name__ == "__main__":
+  main()
