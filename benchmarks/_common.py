@@ -6,6 +6,7 @@ import math
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import time
 
@@ -105,3 +106,13 @@ def write_json(path: str, report: dict) -> None:
 def nan_array(rows) -> np.ndarray:
   """Nested lists from a results JSON as floats, ``None`` read as NaN."""
   return np.array([[np.nan if v is None else v for v in row] for row in rows], dtype=float)
+
+
+def child_report(script: str, args: list[str], what: str, timeout_s: float = 900) -> dict:
+  """Runs ``python script *args`` in a process of its own (a compile measured from a clean start)
+  and returns its report, the last line of its stdout as JSON; a failed child is a RuntimeError
+  naming ``what``, with the end of its stderr."""
+  done = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=timeout_s)
+  if done.returncode != 0:
+    raise RuntimeError(f"{what}: the child process failed:\n{done.stderr[-3000:]}")
+  return json.loads(done.stdout.strip().splitlines()[-1])

@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,11 +35,10 @@ import time
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
-from _common import provenance, write_json
+from _common import child_report, provenance, write_json
 from harness import report
 
 CACHE_EVENTS = ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses")
-SMOKE_MODEL = {"depth": 1, "width": 32, "vocab": 64}
 
 
 def compile_with_cache(name: str, family: str | None, dynamics: str | None, seed: int, cache: str, args) -> dict:
@@ -56,7 +54,7 @@ def compile_with_cache(name: str, family: str | None, dynamics: str | None, seed
 
   import cola_jax as cola
 
-  model = scale.transformer(argparse.Namespace(**vars(args), scan=False))
+  model = scale.transformer(argparse.Namespace(depth=args.depth, width=args.width, vocab=args.vocab, scan=False))
   tokens = jax.random.randint(jax.random.key(2), scale.batch_shape(args.batch), 0, args.vocab)
   params = jax.jit(lambda k: model.init(k, tokens[:, :-1])["params"])(jax.random.key(0))
   tx, constraints = scale.make_method(name, family, dynamics, args.temperature if family else 0.0, False, seed)
@@ -80,56 +78,46 @@ def rows(args) -> list[tuple]:
 
 
 def parse_args(argv=None):
-  from scale import DYNAMICS, FAMILIES
+  import scale
 
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--smoke", action="store_true", help="a 1-block width-32 model: a check that runs in a minute")
   p.add_argument("--out", default=None, help="output directory (default: results/; --smoke: a new temporary folder)")
-  p.add_argument("--depth", type=int, default=12, help="transformer blocks")
-  p.add_argument("--width", type=int, default=512, help="model width (heads: width / 64, at least 1)")
-  p.add_argument("--vocab", type=int, default=1024, help="vocabulary size")
+  scale.add_model_arguments(p)
   p.add_argument("--batch", default="2x64", help="BATCHxLENGTH tokens of the step")
-  p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
-  p.add_argument("--dynamics", nargs="+", default=list(DYNAMICS), choices=DYNAMICS)
+  p.add_argument("--families", nargs="+", default=list(scale.FAMILIES), choices=scale.FAMILIES)
+  p.add_argument("--dynamics", nargs="+", default=list(scale.DYNAMICS), choices=scale.DYNAMICS)
   p.add_argument("--temperature", type=float, default=1e-6)
   p.add_argument("--child", nargs=5, metavar=("NAME", "FAMILY", "DYNAMICS", "SEED", "CACHE"), help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.smoke:
-    for key, value in SMOKE_MODEL.items():
-      setattr(args, key, value)
+    for key in ("depth", "width", "vocab"):
+      setattr(args, key, scale.SMOKE_MODEL[key])
     args.batch = "2x8"
   return args
 
 
-def model_flags(args) -> list[str]:
-  return ["--depth", str(args.depth), "--width", str(args.width), "--vocab", str(args.vocab), "--batch", args.batch]
-
-
 def main(argv=None) -> dict:
+  import scale
+
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(argv)
   if args.child:
     name, family, dynamics, seed, cache = args.child
     family, dynamics = (None if v == "-" else v for v in (family, dynamics))
-    child_args = argparse.Namespace(
-      depth=args.depth, width=args.width, vocab=args.vocab, batch=args.batch, temperature=args.temperature
-    )
-    print(json.dumps(compile_with_cache(name, family, dynamics, int(seed), cache, child_args)))
+    print(json.dumps(compile_with_cache(name, family, dynamics, int(seed), cache, args)))
     return {}
   started = time.perf_counter()
   args.out = report.output_dir(args.out or (None if args.smoke else "results/"), "compile_cache")
+  flags = [*scale.model_arguments(args), "--batch", args.batch, "--temperature", str(args.temperature)]
   results = []
   with tempfile.TemporaryDirectory(prefix="cola_compile_cache_") as cache:
     for name, family, dynamics in rows(args):
       temperature = args.temperature if family else 0.0
       record = {"name": name, "family": family, "dynamics": dynamics, "temperature": temperature}
       for outcome, seed in (("miss", 1), ("hit", 2)):
-        command = [sys.executable, __file__, *model_flags(args), "--temperature", str(args.temperature)]
-        command += ["--child", name, family or "-", dynamics or "-", str(seed), cache]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=900)
-        if done.returncode != 0:
-          raise RuntimeError(f"{name}, {outcome}: the child process failed:\n{done.stderr[-3000:]}")
-        record[outcome] = json.loads(done.stdout.strip().splitlines()[-1])
+        child = ["--child", name, family or "-", dynamics or "-", str(seed), cache]
+        record[outcome] = child_report(__file__, [*flags, *child], f"{name}, {outcome}")
       results.append(record)
       miss, hit = record["miss"], record["hit"]
       print(

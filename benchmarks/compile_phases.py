@@ -38,7 +38,6 @@ import json
 import os
 import pathlib
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,7 +45,7 @@ import time
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
-from _common import provenance, write_json
+from _common import child_report, provenance, write_json
 from harness import report
 
 # (name, method of scale.py, whether the groups draw in one pass)
@@ -59,7 +58,6 @@ VARIANTS = (
   ("ud_circle_noisy", "ud_circle_noisy", False),
   ("ud_circle_noisy_one_pass", "ud_circle_noisy", True),
 )
-SMOKE_MODEL = {"depth": 1, "width": 32, "vocab": 64}
 
 
 def xla_event_seconds(trace_dir: str) -> dict:
@@ -113,40 +111,38 @@ def measure(method: str, one_pass: bool, args) -> dict:
 
 
 def parse_args(argv=None):
+  import scale
+
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--smoke", action="store_true", help="a 1-block width-32 model: a check that runs in a minute")
   p.add_argument("--out", default=None, help="output directory (default: results/; --smoke: a new temporary folder)")
-  p.add_argument("--depth", type=int, default=12, help="transformer blocks")
-  p.add_argument("--width", type=int, default=512, help="model width (heads: width / 64, at least 1)")
-  p.add_argument("--vocab", type=int, default=1024, help="vocabulary size")
+  scale.add_model_arguments(p)
   p.add_argument("--batch", default="2x64", help="BATCHxLENGTH tokens of the step")
   p.add_argument("--temperature", type=float, default=1e-6)
   p.add_argument("--child", nargs=2, metavar=("METHOD", "ONE_PASS"), help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.smoke:
-    for key, value in SMOKE_MODEL.items():
-      setattr(args, key, value)
+    for key in ("depth", "width", "vocab"):
+      setattr(args, key, scale.SMOKE_MODEL[key])
     args.batch = "2x8"
   return args
 
 
 def main(argv=None) -> dict:
+  import scale
+
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(argv)
-  model_flags = ["--depth", str(args.depth), "--width", str(args.width), "--vocab", str(args.vocab)]
-  model_flags += ["--batch", args.batch, "--temperature", str(args.temperature)]
   if args.child:
     print(json.dumps(measure(args.child[0], args.child[1] == "one_pass", args)))
     return {}
   started = time.perf_counter()
   args.out = report.output_dir(args.out or (None if args.smoke else "results/"), "compile_phases")
+  flags = [*scale.model_arguments(args), "--batch", args.batch, "--temperature", str(args.temperature)]
   results = []
   for name, method, one_pass in VARIANTS:
-    command = [sys.executable, __file__, *model_flags, "--child", method, "one_pass" if one_pass else "default"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    if done.returncode != 0:
-      raise RuntimeError(f"{name}: the child process failed:\n{done.stderr[-3000:]}")
-    record = {"name": name, "method": method, "one_pass": one_pass, **json.loads(done.stdout.strip().splitlines()[-1])}
+    child = ["--child", method, "one_pass" if one_pass else "default"]
+    record = {"name": name, "method": method, "one_pass": one_pass, **child_report(__file__, [*flags, *child], name)}
     results.append(record)
     print(
       f"{name:26s} {record['hlo_instructions']:6d} HLO instructions ({record['hlo_xor']:5d} xor), "

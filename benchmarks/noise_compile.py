@@ -18,11 +18,10 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 
-from _common import provenance, write_json
+from _common import child_report, provenance, write_json
 
 
 def _cpu_seconds() -> float:
@@ -73,9 +72,7 @@ def main(argv=None) -> dict:
   for method in args.methods:
     row = {"method": method}
     for grouped in ("off", "on"):
-      command = [sys.executable, __file__, "--depth", str(args.depth), "--child", method, grouped]
-      done = subprocess.run(command, capture_output=True, text=True, check=True, timeout=600)
-      row[grouped] = json.loads(done.stdout.strip().splitlines()[-1])
+      row[grouped] = child_report(__file__, ["--depth", str(args.depth), "--child", method, grouped], method, 600)
       row[grouped]["ratio"] = row[grouped]["noisy"] / row[grouped]["sgd_m"]
     rows.append(row)
     off, on = row["off"], row["on"]

@@ -376,11 +376,21 @@ def transformer(args) -> TransformerLM:
   )
 
 
-def parse_args(argv=None):
-  p = speed_parser(__doc__, "a 1-block width-32 model, a few repetitions: a check that runs in seconds")
+def add_model_arguments(p) -> None:
+  """``--depth``, ``--width`` and ``--vocab`` of the model (12 blocks of width 512, vocabulary 1024)."""
   p.add_argument("--depth", type=int, default=12, help="transformer blocks")
   p.add_argument("--width", type=int, default=512, help="model width (heads: width / 64, at least 1)")
   p.add_argument("--vocab", type=int, default=1024, help="vocabulary size")
+
+
+def model_arguments(args) -> list[str]:
+  """The command-line flags of ``args``' model, for a child process."""
+  return ["--depth", str(args.depth), "--width", str(args.width), "--vocab", str(args.vocab)]
+
+
+def parse_args(argv=None):
+  p = speed_parser(__doc__, "a 1-block width-32 model, a few repetitions: a check that runs in seconds")
+  add_model_arguments(p)
   p.add_argument("--scan", action="store_true", help="the blocks as one nn.scan (stacked kernels)")
   p.add_argument("--small", default="2x64", help="the small batch, BATCHxLENGTH tokens")
   p.add_argument("--large", default="8x128", help="the realistic batch, BATCHxLENGTH tokens")
