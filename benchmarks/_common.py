@@ -116,3 +116,12 @@ def child_report(script: str, args: list[str], what: str, timeout_s: float = 900
   if done.returncode != 0:
     raise RuntimeError(f"{what}: the child process failed:\n{done.stderr[-3000:]}")
   return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def write_report(out_dir: str, name: str, argv: list, started: float, config: dict, **body) -> dict:
+  """``{"meta": provenance (with flax), "config": config, **body}`` written to ``out_dir/name`` and returned."""
+  report = {"meta": provenance(argv, started, packages=("flax",)), "config": config, **body}
+  path = os.path.join(out_dir, name)
+  write_json(path, report)
+  print(f"\nwrote {path}")
+  return report

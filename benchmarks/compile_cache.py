@@ -35,7 +35,7 @@ import time
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
-from _common import child_report, provenance, write_json
+from _common import child_report, write_report
 from harness import report
 
 CACHE_EVENTS = ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses")
@@ -52,14 +52,7 @@ def compile_with_cache(name: str, family: str | None, dynamics: str | None, seed
 
   import scale
 
-  import cola_jax as cola
-
-  model = scale.transformer(argparse.Namespace(depth=args.depth, width=args.width, vocab=args.vocab, scan=False))
-  tokens = jax.random.randint(jax.random.key(2), scale.batch_shape(args.batch), 0, args.vocab)
-  params = jax.jit(lambda k: model.init(k, tokens[:, :-1])["params"])(jax.random.key(0))
-  tx, constraints = scale.make_method(name, family, dynamics, args.temperature if family else 0.0, False, seed)
-  start = params if constraints is None else cola.project_params(params, constraints)
-  lowered = scale.training_step(model, tx).lower(start, tx.init(start), tokens)
+  lowered = scale.lowered_step(args, name, family, dynamics, args.temperature if family else 0.0, seed)
   events.clear()  # what the model's init and the projections compiled is not the step's
   wall, cpu = time.perf_counter(), time.process_time()
   lowered.compile()
@@ -83,17 +76,13 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--smoke", action="store_true", help="a 1-block width-32 model: a check that runs in a minute")
   p.add_argument("--out", default=None, help="output directory (default: results/; --smoke: a new temporary folder)")
-  scale.add_model_arguments(p)
-  p.add_argument("--batch", default="2x64", help="BATCHxLENGTH tokens of the step")
+  scale.add_step_arguments(p)
   p.add_argument("--families", nargs="+", default=list(scale.FAMILIES), choices=scale.FAMILIES)
   p.add_argument("--dynamics", nargs="+", default=list(scale.DYNAMICS), choices=scale.DYNAMICS)
-  p.add_argument("--temperature", type=float, default=1e-6)
   p.add_argument("--child", nargs=5, metavar=("NAME", "FAMILY", "DYNAMICS", "SEED", "CACHE"), help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.smoke:
-    for key in ("depth", "width", "vocab"):
-      setattr(args, key, scale.SMOKE_MODEL[key])
-    args.batch = "2x8"
+    scale.smoke_step(args)
   return args
 
 
@@ -109,7 +98,7 @@ def main(argv=None) -> dict:
     return {}
   started = time.perf_counter()
   args.out = report.output_dir(args.out or (None if args.smoke else "results/"), "compile_cache")
-  flags = [*scale.model_arguments(args), "--batch", args.batch, "--temperature", str(args.temperature)]
+  flags = scale.step_arguments(args)
   results = []
   with tempfile.TemporaryDirectory(prefix="cola_compile_cache_") as cache:
     for name, family, dynamics in rows(args):
@@ -125,21 +114,15 @@ def main(argv=None) -> dict:
         f"another seed {hit['compile_cpu_s']:6.2f} {hit['cache_events']}",
         flush=True,
       )
-  result = {
-    "meta": provenance(argv, started, packages=("flax",)),
-    "config": {
-      "smoke": args.smoke,
-      "model": {"depth": args.depth, "width": args.width, "vocab": args.vocab, "scan": False},
-      "batch": args.batch,
-      "temperature": args.temperature,
-      "families": args.families,
-      "dynamics": args.dynamics,
-    },
-    "results": results,
+  config = {
+    "smoke": args.smoke,
+    "model": {"depth": args.depth, "width": args.width, "vocab": args.vocab, "scan": False},
+    "batch": args.batch,
+    "temperature": args.temperature,
+    "families": args.families,
+    "dynamics": args.dynamics,
   }
-  write_json(os.path.join(args.out, "compile_cache.json"), result)
-  print(f"\nwrote {os.path.join(args.out, 'compile_cache.json')}")
-  return result
+  return write_report(args.out, "compile_cache.json", argv, started, config, results=results)
 
 
 if __name__ == "__main__":

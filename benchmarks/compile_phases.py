@@ -45,7 +45,7 @@ import time
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded by path
-from _common import child_report, provenance, write_json
+from _common import child_report, write_report
 from harness import report
 
 # (name, method of scale.py, whether the groups draw in one pass)
@@ -74,20 +74,14 @@ def measure(method: str, one_pass: bool, args) -> dict:
   import jax
   import scale
 
-  import cola_jax as cola
   from cola_jax import _shared_noise
 
   if one_pass:
     _shared_noise._ONE_PASS_BYTES = float("inf")
-  model = scale.transformer(argparse.Namespace(depth=args.depth, width=args.width, vocab=args.vocab, scan=False))
-  tokens = jax.random.randint(jax.random.key(2), scale.batch_shape(args.batch), 0, args.vocab)
-  params = jax.jit(lambda k: model.init(k, tokens[:, :-1])["params"])(jax.random.key(0))
   dynamics, _, rest = method.partition("_")
   family = None if method == "sgd_m" else rest.removesuffix("_noisy")
   temperature = args.temperature if method.endswith("_noisy") else 0.0
-  tx, constraints = scale.make_method(method, family, dynamics, temperature, False)
-  start = params if constraints is None else cola.project_params(params, constraints)
-  lowered = scale.training_step(model, tx).lower(start, tx.init(start), tokens)
+  lowered = scale.lowered_step(args, method, family, dynamics, temperature)
   hlo = lowered.as_text(dialect="hlo")
   with tempfile.TemporaryDirectory() as trace_dir:
     jax.profiler.start_trace(trace_dir)
@@ -116,15 +110,11 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--smoke", action="store_true", help="a 1-block width-32 model: a check that runs in a minute")
   p.add_argument("--out", default=None, help="output directory (default: results/; --smoke: a new temporary folder)")
-  scale.add_model_arguments(p)
-  p.add_argument("--batch", default="2x64", help="BATCHxLENGTH tokens of the step")
-  p.add_argument("--temperature", type=float, default=1e-6)
+  scale.add_step_arguments(p)
   p.add_argument("--child", nargs=2, metavar=("METHOD", "ONE_PASS"), help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.smoke:
-    for key in ("depth", "width", "vocab"):
-      setattr(args, key, scale.SMOKE_MODEL[key])
-    args.batch = "2x8"
+    scale.smoke_step(args)
   return args
 
 
@@ -138,7 +128,7 @@ def main(argv=None) -> dict:
     return {}
   started = time.perf_counter()
   args.out = report.output_dir(args.out or (None if args.smoke else "results/"), "compile_phases")
-  flags = [*scale.model_arguments(args), "--batch", args.batch, "--temperature", str(args.temperature)]
+  flags = scale.step_arguments(args)
   results = []
   for name, method, one_pass in VARIANTS:
     child = ["--child", method, "one_pass" if one_pass else "default"]
@@ -151,19 +141,13 @@ def main(argv=None) -> dict:
       f"temporaries {record['temp_bytes'] / 1e6:6.1f} MB",
       flush=True,
     )
-  result = {
-    "meta": provenance(argv, started, packages=("flax",)),
-    "config": {
-      "smoke": args.smoke,
-      "model": {"depth": args.depth, "width": args.width, "vocab": args.vocab, "scan": False},
-      "batch": args.batch,
-      "temperature": args.temperature,
-    },
-    "results": results,
+  config = {
+    "smoke": args.smoke,
+    "model": {"depth": args.depth, "width": args.width, "vocab": args.vocab, "scan": False},
+    "batch": args.batch,
+    "temperature": args.temperature,
   }
-  write_json(os.path.join(args.out, "compile_phases.json"), result)
-  print(f"\nwrote {os.path.join(args.out, 'compile_phases.json')}")
-  return result
+  return write_report(args.out, "compile_phases.json", argv, started, config, results=results)
 
 
 if __name__ == "__main__":

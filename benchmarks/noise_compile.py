@@ -21,7 +21,7 @@ import resource
 import sys
 import time
 
-from _common import child_report, provenance, write_json
+from _common import child_report, write_report
 
 
 def _cpu_seconds() -> float:
@@ -81,21 +81,16 @@ def main(argv=None) -> dict:
       f" = {off['ratio']:.2f}x, on {on['noisy']:5.1f} / {on['sgd_m']:.1f} = {on['ratio']:.2f}x",
       flush=True,
     )
-  result = {
-    "meta": provenance(argv, started, packages=("flax",)),
-    "config": {
-      "depth": args.depth,
-      "width": 512,
-      "vocab": 1024,
-      "tokens": "2x64",
-      "temperature": 1e-6,
-      "blocks": "one module each (48 constrained kernels at depth 12)",
-    },
-    "rows": rows,
+  config = {
+    "depth": args.depth,
+    "width": 512,
+    "vocab": 1024,
+    "tokens": "2x64",
+    "temperature": 1e-6,
+    "blocks": "one module each (48 constrained kernels at depth 12)",
   }
   os.makedirs(args.out, exist_ok=True)
-  write_json(os.path.join(args.out, "noise_compile.json"), result)
-  return result
+  return write_report(args.out, "noise_compile.json", argv, started, config, rows=rows)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ the first run's optax rows, gives each method's ``small`` its own run's
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
@@ -128,6 +129,17 @@ def make_method(name: str, family: str | None, dynamics: str | None, temperature
   if dynamics == "od":
     return cola.cola_od(H_OD, constraints=constraints, **noise), constraints
   return cola.cola_ud(H_UD, friction=FRICTION, constraints=constraints, **noise), constraints
+
+
+def lowered_step(args, name: str, family: str | None, dynamics: str | None, temperature: float, seed: int = 1):
+  """``name``'s training step on a fresh model of ``args`` (``depth``, ``width``, ``vocab``, unscanned), lowered
+  at ``args.batch`` tokens with the parameters on its manifold: what a process of its own compiles."""
+  model = transformer(argparse.Namespace(depth=args.depth, width=args.width, vocab=args.vocab, scan=False))
+  tokens = jax.random.randint(jax.random.key(2), batch_shape(args.batch), 0, args.vocab)
+  params = jax.jit(lambda k: model.init(k, tokens[:, :-1])["params"])(jax.random.key(0))
+  tx, constraints = make_method(name, family, dynamics, temperature, False, seed)
+  start = params if constraints is None else cola.project_params(params, constraints)
+  return training_step(model, tx).lower(start, tx.init(start), tokens)
 
 
 def batch_shape(text: str) -> tuple[int, int]:
@@ -383,9 +395,24 @@ def add_model_arguments(p) -> None:
   p.add_argument("--vocab", type=int, default=1024, help="vocabulary size")
 
 
-def model_arguments(args) -> list[str]:
-  """The command-line flags of ``args``' model, for a child process."""
-  return ["--depth", str(args.depth), "--width", str(args.width), "--vocab", str(args.vocab)]
+def add_step_arguments(p) -> None:
+  """The model's flags, ``--batch`` and ``--temperature``: a script that compiles one step per process."""
+  add_model_arguments(p)
+  p.add_argument("--batch", default="2x64", help="BATCHxLENGTH tokens of the step")
+  p.add_argument("--temperature", type=float, default=1e-6, help="the temperature > 0 setting")
+
+
+def smoke_step(args) -> None:
+  """``--smoke``'s model and batch for such a script: one block of width 32, 2 x 8 tokens."""
+  for key in ("depth", "width", "vocab"):
+    setattr(args, key, SMOKE_MODEL[key])
+  args.batch = "2x8"
+
+
+def step_arguments(args) -> list[str]:
+  """The flags of ``add_step_arguments`` as ``args`` has them, for a child process."""
+  model = ["--depth", str(args.depth), "--width", str(args.width), "--vocab", str(args.vocab)]
+  return [*model, "--batch", args.batch, "--temperature", str(args.temperature)]
 
 
 def parse_args(argv=None):
