@@ -5,11 +5,13 @@ Every check here runs where shapes and dtypes are static (at ``init``, or when
 ``grads['layer0']['w']``, and nothing is added to the compiled step.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from cola_jax.constraints.base import Constraint, Euclidean
 
@@ -17,6 +19,36 @@ ConstraintTree = Any  # a prefix of params with Constraint or None leaves
 ConstraintSpec = Constraint | ConstraintTree | Callable[[Any], ConstraintTree] | None
 
 _EUCLIDEAN = Euclidean()
+
+
+class NotParams:
+  """A field of the state that holds no copy of the parameters, as ``optax.tree.map_params`` sees it.
+
+  ``map_params`` calls ``init`` with a stand-in for the parameters and maps
+  its function over the fields that come back as that stand-in. A transform
+  puts this object, a leaf, where its state holds per-leaf auxiliaries that
+  are not shaped like the parameters (``constraint_states``), so that
+  ``map_params`` hands that whole field to ``transform_non_params``.
+  """
+
+  def __repr__(self):
+    return "NotParams()"
+
+
+NOT_PARAMS = NotParams()
+
+
+@functools.cache
+def _placeholder_type() -> type:
+  """The type of the stand-in that ``optax.tree.map_params`` passes to ``init``, found through that function."""
+  seen = []
+  optax.tree_utils.tree_map_params(lambda placeholder: seen.append(type(placeholder)) or (), lambda x: x, ())
+  return seen[0]
+
+
+def is_params_placeholder(params) -> bool:
+  """Whether ``init`` was called by ``optax.tree.map_params`` (with its stand-in, not with parameters)."""
+  return isinstance(params, _placeholder_type())
 
 
 def _is_constraint_leaf(x) -> bool:

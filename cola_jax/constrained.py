@@ -23,7 +23,7 @@ import optax
 
 from cola_jax import _compiled
 from cola_jax._numerics import max_abs, power_of_two_scale
-from cola_jax._tree import ConstraintSpec, LeafLayout
+from cola_jax._tree import NOT_PARAMS, ConstraintSpec, LeafLayout, is_params_placeholder
 from cola_jax.constraints.base import Constraint, Euclidean
 from cola_jax.constraints.orthogonal import Orthogonal, ProjectionInfo, StiefelPoint
 from cola_jax.constraints.stiefel_projection import gram
@@ -37,7 +37,7 @@ class ConstrainedState(NamedTuple):
   """State of :func:`constrained`."""
 
   inner_state: Any  # the inner transformation's state, over the tangent coordinates of the leaves
-  constraint_states: Any  # per leaf: auxiliary state of its constraint (None if free)
+  constraint_states: Any  # per leaf: auxiliary state of its constraint (None if free); not a copy of the parameters
 
 
 def _ambient_coordinates(c: Constraint, point, param) -> bool:
@@ -206,6 +206,8 @@ def constrained(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
+    if is_params_placeholder(params):  # optax.tree.map_params: inner's state says which fields copy the parameters
+      return ConstrainedState(inner_state=inner.init(params), constraint_states=NOT_PARAMS)
     layout = LeafLayout(owner, constraints, _without_variables(params))
     # One program, in which XLA drops the tangent projections that inner's init does not read.
     return _compiled.call(

@@ -33,7 +33,7 @@ import optax
 from cola_jax import _compiled, _shared_noise, langevin
 from cola_jax._hyperparameters import check_floating_dtype, check_nonnegative, check_positive
 from cola_jax._numerics import computed_after, concrete_float, explicit_sharding
-from cola_jax._tree import ConstraintSpec, LeafLayout
+from cola_jax._tree import NOT_PARAMS, ConstraintSpec, LeafLayout, is_params_placeholder
 
 
 class OverdampedState(NamedTuple):
@@ -41,7 +41,7 @@ class OverdampedState(NamedTuple):
 
   count: jax.Array  # pyright: ignore[reportIncompatibleMethodOverride]  (steps taken, int32, as optax names it)
   key: jax.Array | None  # PRNG key, None when no noise is ever drawn
-  constraint_states: Any  # per leaf: auxiliary state of its constraint (None if free)
+  constraint_states: Any  # per leaf: auxiliary state of its constraint (None if free); not a copy of the parameters
 
 
 class UnderdampedState(NamedTuple):
@@ -49,8 +49,8 @@ class UnderdampedState(NamedTuple):
 
   count: jax.Array  # pyright: ignore[reportIncompatibleMethodOverride]  (steps taken, int32, as optax names it)
   key: jax.Array | None  # PRNG key, None when no noise is ever drawn
-  constraint_states: Any  # per leaf: auxiliary state of its constraint (None if free)
-  momentum: Any  # per leaf, in the stored form of its constraint (shaped like the leaf, or flat)
+  constraint_states: Any  # per leaf: auxiliary state of its constraint (None if free); not a copy of the parameters
+  momentum: Any  # per leaf, in the stored form of its constraint: shaped like the leaf (flat for Implicit)
 
 
 _SPLITTINGS = ("OBA", "BAOAB")
@@ -272,7 +272,7 @@ def cola_od(
   constraints: ConstraintSpec = None,
   temperature: optax.ScalarOrSchedule = 0.0,
   key: jax.Array | None = None,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
   r"""Constrained overdamped Langevin dynamics (CoLA-od).
 
   Each leaf takes an Euler-Maruyama step and is projected back onto the
@@ -297,8 +297,10 @@ def cola_od(
     key: a JAX PRNG key, required unless ``temperature`` is exactly 0.
 
   Returns:
-    An ``optax.GradientTransformation`` whose ``update`` needs ``params``. It
-    must be the last link of a chain (what follows would leave the manifold).
+    An ``optax.GradientTransformationExtraArgs`` whose ``update`` needs
+    ``params`` (extra keyword arguments, such as ``value=loss``, are accepted
+    and not used). It must be the last link of a chain (what follows would
+    leave the manifold).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, cola_jax as cola
@@ -317,11 +319,14 @@ def cola_od(
   noisy = _check_hyperparameters(owner, learning_rate, temperature, key)
 
   def init_fn(params):
+    if is_params_placeholder(params):  # optax.tree.map_params: no field is a copy of the parameters
+      return OverdampedState(count=jnp.zeros([], jnp.int32), key=key, constraint_states=NOT_PARAMS)
     layout = LeafLayout(owner, constraints, _without_variables(params))
     auxes = _compiled.call(_initial_auxes, (tuple(layout.constraints),), layout.compute)
     return OverdampedState(count=jnp.zeros([], jnp.int32), key=key, constraint_states=layout.unflatten(auxes))
 
-  def update_fn(grads, state, params=None):
+  def update_fn(grads, state, params=None, **extra_args):
+    del extra_args  # as optax.sgd: the loss value and the like are not used
     _check_state(owner, state, OverdampedState)
     layout = LeafLayout(owner, constraints, params)
     grad_leaves = layout.gradients(grads)
@@ -343,7 +348,7 @@ def cola_od(
       count=jnp.asarray(optax.safe_increment(state.count)), key=next_key, constraint_states=layout.unflatten(new_auxes)
     )
 
-  return optax.GradientTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 def cola_ud(
@@ -355,7 +360,7 @@ def cola_ud(
   key: jax.Array | None = None,
   splitting: str = "OBA",
   momentum_dtype: Any = None,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
   r"""Constrained underdamped Langevin dynamics (CoLA-ud), OBA or BAOAB splitting.
 
   Positions ``q`` (with slack variables) and momenta ``p`` in the cotangent
@@ -390,8 +395,9 @@ def cola_ud(
       stay in the compute dtype, so the constraints hold as closely.
 
   Returns:
-    An ``optax.GradientTransformation`` whose ``update`` needs ``params``. It
-    must be the last link of a chain.
+    An ``optax.GradientTransformationExtraArgs`` whose ``update`` needs
+    ``params`` (extra keyword arguments are accepted and not used). It must
+    be the last link of a chain.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, cola_jax as cola
@@ -418,6 +424,8 @@ def cola_ud(
   momentum_dtype = check_floating_dtype(owner, "momentum_dtype", momentum_dtype)
 
   def init_fn(params):
+    if is_params_placeholder(params):  # optax.tree.map_params: the momenta are the copy of the parameters
+      return UnderdampedState(count=jnp.zeros([], jnp.int32), key=key, constraint_states=NOT_PARAMS, momentum=params)
     layout = LeafLayout(owner, constraints, _without_variables(params))
     auxes = _compiled.call(_initial_auxes, (tuple(layout.constraints),), layout.compute)
     momenta = [c.zero_momentum(p) for c, p in zip(layout.constraints, layout.compute)]
@@ -430,7 +438,8 @@ def cola_ud(
       momentum=layout.unflatten(momenta),
     )
 
-  def update_fn(grads, state, params=None):
+  def update_fn(grads, state, params=None, **extra_args):
+    del extra_args  # as optax.sgd: the loss value and the like are not used
     _check_state(owner, state, UnderdampedState)
     layout = LeafLayout(owner, constraints, params)
     grad_leaves = layout.gradients(grads)
@@ -464,4 +473,4 @@ def cola_ud(
       momentum=layout.unflatten(new_momenta),
     )
 
-  return optax.GradientTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
