@@ -15,9 +15,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from cola_jax._hyperparameters import check_nonnegative, check_positive
+from cola_jax.constraints.base import Constraint
 from cola_jax.constraints.circle import Circle
 from cola_jax.constraints.orthogonal import Orthogonal
 from cola_jax.transforms import called_as, cola_od, cola_ud
@@ -28,6 +30,21 @@ RadiusSpec = float | Any | Callable[[Any], Any]
 
 def _default_mask(params):
   return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+
+
+def _is_boolean(leaf) -> bool:
+  return isinstance(leaf, (bool, np.bool_)) or (getattr(leaf, "dtype", None) == jnp.bool_ and jnp.ndim(leaf) == 0)
+
+
+def _check_mask(owner: str, mask, where: str = "mask") -> None:
+  """Raises TypeError unless every leaf of ``mask`` is a boolean (None leaves are free), as in ``optax.masked``."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(mask)[0]:
+    if not _is_boolean(leaf):
+      raise TypeError(
+        f"{owner}: mask must be booleans, a pytree of them or a callable returning one (as in optax.masked), but "
+        f"{where}{jax.tree_util.keystr(path)} is {leaf!r}. To choose constraints per leaf, pass them as "
+        "constraints= to cola.cola_od, cola.cola_ud or cola.constrained (cola.path_constraints builds them by path)."
+      )
 
 
 def _per_leaf(spec, params, what: str, owner: str):
@@ -47,7 +64,12 @@ def _constraints_per_leaf(owner: str, mask: MaskOrFn, make: Callable[[Any, str],
   entry of ``spec`` (a prefix pytree or a callable) is not None; else None.
   """
 
+  if mask is not None and (isinstance(mask, Constraint) or not callable(mask)):
+    _check_mask(owner, mask)
+
   def constraints(params):
+    if callable(mask) and not isinstance(mask, Constraint):
+      _check_mask(owner, mask(params), "mask(params)")
     masks = _per_leaf(_default_mask if mask is None else mask, params, "mask", owner)
     specs = _per_leaf(spec, params, "radius", owner)
 

@@ -337,3 +337,36 @@ def test_errors_name_the_function_the_user_called(name, make):
     make(0.1).init({"name": "layer", "w": jnp.ones(2)})
   with pytest.raises(ValueError, match="^cola_od: learning_rate"):
     cola.cola_od(INF)
+
+
+@pytest.mark.parametrize("owner", ["c_cola_od", "c_cola_ud", "o_cola_od", "o_cola_ud"])
+@pytest.mark.parametrize(
+  "mask, where",
+  [
+    (cola.Orthogonal(), r"mask is Orthogonal\("),
+    ("kernel", "mask is 'kernel'"),
+    (1, "mask is 1"),
+    ({"w": 1.0, "b": True}, r"mask\['w'\] is 1.0"),
+  ],
+  ids=["constraint", "string", "number", "number-leaf"],
+)
+def test_a_mask_that_is_not_booleans_is_a_type_error_pointing_to_constraints(owner, mask, where):
+  with pytest.raises(TypeError, match=rf"{owner}: mask must be booleans.*{where}.*constraints="):
+    FACTORIES[owner](mask=mask)
+
+
+def test_a_callable_mask_returning_constraints_is_a_type_error_at_init():
+  # A Constraint tree built by path is truthy leaf by leaf: it used to pass for a mask of Trues.
+  tx = cola.o_cola_ud(0.1, friction=1.0, mask=cola.path_constraints([("kernel", cola.Orthogonal())]))
+  message = r"o_cola_ud: mask must be booleans.*mask\(params\)\['dense'\]\['kernel'\] is Orthogonal\("
+  with pytest.raises(TypeError, match=message):
+    tx.init(PARAMS)
+
+
+@pytest.mark.parametrize("owner", ["c_cola_od", "c_cola_ud", "o_cola_od", "o_cola_ud"])
+def test_masks_of_booleans_and_callables_returning_them_choose_the_constrained_leaves(owner):
+  params = {"w": jnp.full((3, 3), 0.3), "v": jnp.full((3, 3), 0.3)}
+  for mask in ({"w": True, "v": np.bool_(False)}, lambda p: {"w": True, "v": False}):
+    state = FACTORIES[owner](mask=mask).init(params)
+    residuals = cola.constraint_residuals(params, state)
+    assert residuals["v"] is None and residuals["w"] is not None
