@@ -61,6 +61,13 @@ def _sharded(ns):
   assert ns["opt_state"].constraint_states["kernel"].slack.sharding == ns["params"]["kernel"].sharding
 
 
+def _state_shardings(ns):
+  shardings, state_shardings = ns["shardings"], ns["state_shardings"]
+  assert state_shardings.momentum == shardings  # the momenta are copies of the parameters
+  assert state_shardings.constraint_states == state_shardings.count == ns["replicated"]
+  assert ns["opt_state"].momentum["kernel"].sharding == shardings["kernel"]
+
+
 def _implicit(ns):
   assert bool(ns["opt_state"].constraint_states["kernel"].converged)
 
@@ -76,6 +83,7 @@ CLAIMS = {  # a line of a block -> the check of what its comments say
   "eqx_residuals = cola.constraint_residuals(params, opt_state)": _equinox,
   "params, states = train_seeds(": _seeds,
   "params = jax.device_put(params, shardings)": _sharded,
+  "state_shardings = optax.tree.map_params(": _state_shardings,
   "opt_state.constraint_states['kernel'].converged": _implicit,
   "h, gamma = cola.sgd_momentum_to_langevin(0.1, 0.9)": _from_sgd_momentum,
 }
