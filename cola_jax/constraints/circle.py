@@ -114,22 +114,33 @@ class Circle(Constraint):
     power of two, :func:`~cola_jax._numerics.power_of_two_scale` of
     ``max(|theta|, |xi|)``, which is exact), so that every finite pair lands
     on the circle in its own direction, however large (a step of ``-3e38``
-    lands on ``-r``). Pairs whose scaled squared norm is below the smallest
-    normal number count as the origin; a pair with an ``inf`` or NaN gives
-    NaN. Computed with multiplications only
+    lands on ``-r``). A pair counts as the origin where both entries are below
+    the smallest normal number (zero or subnormal: compiled code flushes
+    subnormals to zero, XLA's constant folder does not), or, with a given
+    ``scale``, where its scaled squared norm is; a pair with an ``inf`` or
+    NaN gives NaN. Computed with multiplications only
     (:func:`~cola_jax._numerics.inverse_sqrt`) rather than ``sqrt`` and a
     division, which XLA's CPU backend writes to an array of their own and
     reads back in every consumer.
     """
     r = jnp.asarray(self.radius, theta.dtype)
+    tiny = jnp.finfo(theta.dtype).tiny
     if scale is None:
-      scale = power_of_two_scale(jnp.maximum(jnp.abs(theta), jnp.abs(xi)))
-    theta, xi = theta * scale, xi * scale
-    z = theta * theta + xi * xi
-    degenerate = z < jnp.finfo(theta.dtype).tiny
-    xi = jnp.where(degenerate, jnp.ones_like(xi), xi)
-    theta = jnp.where(degenerate, jnp.zeros_like(theta), theta)
-    norm = r * inverse_sqrt(jnp.where(degenerate, jnp.ones_like(z), z))
+      largest = jnp.maximum(jnp.abs(theta), jnp.abs(xi))
+      degenerate = largest < tiny
+      scale = power_of_two_scale(largest)
+      # Selected before squaring: for a constant a, XLA reassociates (a s) (a s) into (a a) (s s), and s s overflows.
+      theta = jnp.where(degenerate, jnp.zeros_like(theta), theta * scale)
+      xi = jnp.where(degenerate, jnp.ones_like(xi), xi * scale)
+      z = theta * theta + xi * xi
+    else:
+      theta, xi = theta * scale, xi * scale
+      z = theta * theta + xi * xi
+      degenerate = z < tiny
+      xi = jnp.where(degenerate, jnp.ones_like(xi), xi)
+      theta = jnp.where(degenerate, jnp.zeros_like(theta), theta)
+      z = jnp.where(degenerate, jnp.ones_like(z), z)
+    norm = r * inverse_sqrt(z)
     return theta * norm, xi * norm
 
   def unpack(self, point, param):

@@ -240,17 +240,30 @@ class Sphere(Constraint):
     Overflow-safe: each unit is multiplied by ``scale`` first (by default the
     exact power of two of :func:`~cola_jax._numerics.power_of_two_scale` of
     its largest entry), so units of any finite size land on the sphere in
-    their own direction; a unit with an ``inf`` or NaN gives NaN.
+    their own direction; a unit with an ``inf`` or NaN gives NaN. A unit
+    counts as the origin where its entries are below the smallest normal
+    number (zero or subnormal: compiled code flushes subnormals to zero,
+    XLA's constant folder does not), or, with a given ``scale``, where its
+    scaled squared norm is.
     """
     r = jnp.asarray(self.radius, w.dtype)
+    tiny = jnp.finfo(w.dtype).tiny
     if scale is None:
-      scale = power_of_two_scale(jnp.maximum(self._unit_max(w), jnp.abs(xi)))
-    w, xi = w * scale, xi * scale
-    z = self._dot(w, w) + xi * xi
-    degenerate = z < jnp.finfo(w.dtype).tiny
-    xi = jnp.where(degenerate, jnp.ones_like(xi), xi)
-    w = jnp.where(degenerate, jnp.zeros_like(w), w)
-    norm = r * inverse_sqrt(jnp.where(degenerate, jnp.ones_like(z), z))
+      largest = jnp.maximum(self._unit_max(w), jnp.abs(xi))
+      degenerate = largest < tiny
+      scale = power_of_two_scale(largest)
+      # Selected before squaring: for a constant a, XLA reassociates (a s) (a s) into (a a) (s s), and s s overflows.
+      w = jnp.where(degenerate, jnp.zeros_like(w), w * scale)
+      xi = jnp.where(degenerate, jnp.ones_like(xi), xi * scale)
+      z = self._dot(w, w) + xi * xi
+    else:
+      w, xi = w * scale, xi * scale
+      z = self._dot(w, w) + xi * xi
+      degenerate = z < tiny
+      xi = jnp.where(degenerate, jnp.ones_like(xi), xi)
+      w = jnp.where(degenerate, jnp.zeros_like(w), w)
+      z = jnp.where(degenerate, jnp.ones_like(z), z)
+    norm = r * inverse_sqrt(z)
     return w * norm, xi * norm
 
   def unpack(self, point, param):
@@ -327,8 +340,11 @@ class Sphere(Constraint):
     w, xi = point
     r = jnp.asarray(self.radius, w.dtype)
     p_w, p_xi = self._to_vector(point, momentum)
-    s = power_of_two_scale(self._unit_max(momentum))
-    us = momentum * s
+    largest = self._unit_max(momentum)
+    s = power_of_two_scale(largest)
+    # Zero and subnormal (read as zero by compiled code) momenta selected before squaring: for a constant a,
+    # XLA reassociates (a s) (a s) into (a a) (s s), and s s overflows.
+    us = jnp.where(largest < jnp.finfo(w.dtype).tiny, jnp.zeros_like(momentum), momentum * s)
     speed_s = jnp.sqrt(self._dot(us, us))  # |p| s = |u| s: the frame is an isometry
     inverse_s = jnp.where(speed_s > 0, 1 / s, jnp.zeros_like(s))  # u = 0: s is huge
     phi = speed_s * (h * (1 / r)) * inverse_s

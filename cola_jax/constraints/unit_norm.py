@@ -26,8 +26,9 @@ circle through a point of the equator with a velocity along it stays on it, so
 the flow is :class:`~cola_jax.Sphere`'s A step at ``(w, 0)`` (whose momentum
 frame is the identity there); its rounding in ``xi`` (``~ eps phi r``) is
 dropped, which changes ``|w|`` by ``~ (eps phi)^2``. The overdamped step projects radially, ``r w / |w|`` (the
-orthogonal projection); a unit that is exactly zero has no direction and is
-put at ``r (1, ..., 1) / sqrt(n)``.
+orthogonal projection); a zero unit has no direction and is put at
+``r (1, ..., 1) / sqrt(n)``, as is a unit of subnormal numbers (which compiled
+code reads as zeros).
 
 Invariant measure: with zero gradient the dynamics commute with the rotations
 of each unit (isotropic noise, radial projection, great-circle flow), so each
@@ -52,7 +53,7 @@ import jax
 import jax.numpy as jnp
 
 from cola_jax import _noise
-from cola_jax._numerics import concrete_float, explicit_sharding, max_abs
+from cola_jax._numerics import concrete_float, explicit_sharding, inverse_sqrt, max_abs, power_of_two_scale
 from cola_jax.constraints.base import Constraint
 from cola_jax.constraints.sphere import Sphere, _check_axis, _normalize_axis
 
@@ -142,12 +143,19 @@ class UnitNorm(Constraint):
     return jnp.zeros(tuple(1 if i in axes else d for i, d in enumerate(w.shape)), w.dtype)
 
   def _onto_norm(self, w):
-    """``r w_j / |w_j|`` per unit; ``r (1, ..., 1) / sqrt(n)`` for a zero unit."""
-    w, xi = self._sphere._onto_sphere(w, self._slack_zeros(w))
-    # Sphere sends a zero unit (its |(w, 0)| below sqrt(tiny) r) to the pole xi = r.
-    n = math.prod(w.shape[a] for a in self._sphere._axes(w.ndim))
-    r = jnp.asarray(self.radius, w.dtype)
-    return jnp.where(xi > 0, r * (1 / math.sqrt(max(n, 1))), w)
+    """``r w_j / |w_j|`` per unit; ``r (1, ..., 1) / sqrt(n)`` for a zero unit.
+
+    Overflow-safe as :class:`~cola_jax.Sphere`'s radial projection: each unit is
+    measured after an exact power-of-two scaling. A unit whose entries are
+    below the smallest normal number (zero, or subnormal: compiled code
+    flushes those to zero, XLA's constant folder does not) is normalised as
+    ``(1, ..., 1)``.
+    """
+    largest = self._sphere._unit_max(w)
+    zero = largest < jnp.finfo(w.dtype).tiny
+    # Selected before squaring: for a constant a, XLA reassociates (a s) (a s) into (a a) (s s), and s s overflows.
+    ws = jnp.where(zero, jnp.ones_like(w), w * power_of_two_scale(largest))
+    return ws * (jnp.asarray(self.radius, w.dtype) * inverse_sqrt(self._dot(ws, ws)))
 
   # The Constraint interface.
 
