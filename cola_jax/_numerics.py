@@ -352,7 +352,8 @@ def computed_after(grad: jax.Array, tree):
   """
   if grad.size == 0:
     return tree
-  sign = jax.lax.bitcast_convert_type(grad.reshape(-1)[0].astype(jnp.float32), jnp.uint32) & np.uint32(2**31)
+  first = grad[(0,) * grad.ndim]  # not grad.reshape(-1)[0]: a reshape of an explicitly sharded array needs its sharding
+  sign = jax.lax.bitcast_convert_type(first.astype(jnp.float32), jnp.uint32) & np.uint32(2**31)
   high_bit = sign | np.uint32(2**31)
   negative_zero = jax.lax.bitcast_convert_type(high_bit, jnp.float32)
   zero_bits = high_bit ^ np.uint32(2**31)
