@@ -104,9 +104,7 @@ def _retract(c: Constraint, point, coordinates, ambient: bool, retraction: str):
     coordinates = c.cotangent(point, coordinates)
   if isinstance(c, Orthogonal):
     return _polar_retraction(c, point, coordinates) if retraction == "polar" else c.project(point, coordinates)
-  if ambient:
-    return c.project(point, coordinates)
-  return c.a_step(point, coordinates, 1.0)[0]
+  return c.retract(point, coordinates)
 
 
 def constrained(
@@ -165,10 +163,13 @@ def constrained(
   the step's normal part has spectral norm above 1 (Adam's elementwise steps
   reach that): the projection then falls back to the polar factor and flags
   the leaf's :class:`~cola_jax.ProjectionInfo`. The other constraints follow
-  their exact geodesic flows (circle, box, sphere, unit norm) or RATTLE
-  (non-negative, implicit) along ``Pi u`` for unit time; ``retraction``
-  does not change them. An ``Implicit`` or ``NonNegative`` step that cannot
-  be solved leaves the unit where it was (flagged for ``Implicit``).
+  their :meth:`~cola_jax.Constraint.retract` along ``Pi u``: the exact
+  geodesic flow for unit time (circle, box, sphere), the radial projection
+  (unit norm), the nearest point of the parabola (non-negative), SHAKE and,
+  where SHAKE has no solution, Newton's projection from the moved point
+  (implicit); ``retraction`` does not change them. Each exists for every
+  finite step, except that an ``Implicit`` unit neither projection reaches
+  stays where it was, flagged.
 
   Args:
     inner: any ``optax.GradientTransformation``; its learning rate sets the step.

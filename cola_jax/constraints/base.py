@@ -120,6 +120,17 @@ class Constraint(abc.ABC):
   def a_step(self, point: Point, momentum: Momentum, h) -> tuple[Point, Momentum]:
     """The constrained free flight (the A step) over time ``h``."""
 
+  def retract(self, point: Point, tangent: Momentum) -> Point:
+    """The point reached from ``point`` by the tangent vector ``tangent`` (in momentum coordinates).
+
+    A retraction (``R(q, 0) = q``, first-order along ``tangent``) that
+    :func:`~cola_jax.constrained` moves the leaf by; it must exist for every
+    finite vector, since an optimizer's step can be of any size. By default
+    the A step for unit time: the exact geodesic flow where the geometry has
+    one. A geometry whose A step can reject a step overrides it.
+    """
+    return self.a_step(point, tangent, 1.0)[0]
+
 
 def _nearest_from_itself(constraint: Constraint, param: jax.Array) -> jax.Array:
   return constraint.unpack(constraint.point(param, constraint.init(param)), param)[0]

@@ -565,6 +565,33 @@ class Implicit(Constraint):
     x, s = geometry.where(converged, q, (anchor.x, s))
     return ImplicitPoint(x, s.reshape(anchor.slack.shape), anchor.iterations + k, anchor.converged & converged)
 
+  def retract(self, point, tangent):
+    """SHAKE from ``q`` along ``q + v``; a unit where it has no solution is projected from ``q + v`` itself.
+
+    SHAKE corrects along the normals at ``q``, which cannot reach the
+    manifold from a step that goes too far (past the vertex of a parabola,
+    say); Newton from the moved point, along its own normals, as at the start
+    of an update, can. A unit that neither reaches stays at ``q``, flagged.
+    """
+    geometry = self._geometry(point.x.shape)
+    shaken = self.project(point, tangent)
+    vx, vs = geometry.split(tangent)
+    moved_slack = (geometry.slack_matrix(point.slack) + vs).reshape(point.slack.shape)
+    state = ImplicitState(slack=moved_slack, iterations=point.iterations, converged=point.converged, constraint=self)
+    itself = self.point(point.x + vx, state)
+    taken = shaken.converged | ~itself.converged
+    x, slack = geometry.where(
+      taken,
+      (shaken.x, geometry.slack_matrix(shaken.slack)),
+      (itself.x, geometry.slack_matrix(itself.slack)),
+    )
+    return ImplicitPoint(
+      x,
+      slack.reshape(point.slack.shape),
+      shaken.iterations + itself.iterations,
+      shaken.converged | itself.converged,
+    )
+
   def cotangent(self, point, vector):
     geometry = self._geometry(point.x.shape)
     return geometry.join(*geometry.cotangent(point.x, geometry.slack_matrix(point.slack), *geometry.split(vector)))

@@ -238,6 +238,12 @@ class NonNegative(Constraint):
     w, _ = point
     return _noise.normal(key, w.shape, w.dtype, out_sharding=explicit_sharding(w))
 
+  def retract(self, point, tangent):
+    """The nearest point of the parabola to ``q + v t``: it exists for every finite step, where RATTLE's may not."""
+    _, s = point
+    inverse = _inverse_length(s)
+    return self.project(point, (2 * (s * inverse) * tangent, inverse * tangent))
+
   def a_step(self, point, momentum, h):
     w, s = point
     v = momentum

@@ -184,6 +184,10 @@ class UnitNorm(Constraint):
   def cotangent_normal(self, key, point):
     return self.cotangent(point, self.ambient_normal(key, point))
 
+  def retract(self, point, tangent):
+    """The radial projection of ``w + v``, which exists for every finite step."""
+    return self.project(point, tangent)
+
   def a_step(self, point, momentum, h):
     (w, _), coordinates = self._sphere.a_step((point, self._slack_zeros(point)), momentum, h)
     return w, self.cotangent(w, coordinates)
