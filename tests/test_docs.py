@@ -195,3 +195,14 @@ def test_coverage_check_names_the_missing_entries():
   documented = {f"cola_jax.{name}" for name in cola_jax.__all__}
   assert coverage_check.missing_entries(cola_jax, documented) == []
   assert coverage_check.missing_entries(cola_jax, documented - {"cola_jax.Orthogonal"}) == ["Orthogonal"]
+
+
+def test_the_development_page_lists_every_module():
+  """Its layout table names each module of the package: a new module without a line fails."""
+  layout = (DOCS / "development.md").read_text().split("## Layout", 1)[1].split("```")[1]
+  package = ROOT / "cola_jax"
+  for path in sorted(package.rglob("*.py")):
+    if path.parent == package:
+      assert f"cola_jax/{path.name}" in layout, path
+    elif path.stem != "__init__":
+      assert path.stem.lstrip("_") in layout, path  # the constraints' modules, by name
