@@ -68,6 +68,20 @@ def _state_shardings(ns):
   assert ns["opt_state"].momentum["kernel"].sharding == shardings["kernel"]
 
 
+def _choosing(ns):
+  assert ns["sgd_learning_rate"] == pytest.approx(1e-3) and ns["momentum"] == pytest.approx(0.9)
+
+
+def _hidden_orthonormal_rest_adam(ns):
+  params = ns["params"]
+  for name in ("Dense_1", "Dense_2"):
+    kernel = params[name]["kernel"]
+    assert float(jnp.max(jnp.abs(kernel.T @ kernel - jnp.eye(4)))) < 1e-5
+  # Adam's first step is -lr * sign(g) on every other leaf.
+  assert float(jnp.max(jnp.abs(params["Dense_0"]["kernel"] - (0.5 - 1e-3)))) < 1e-6
+  assert float(jnp.max(jnp.abs(params["Dense_3"]["bias"] + 1e-3))) < 1e-6
+
+
 def _implicit(ns):
   assert bool(ns["opt_state"].constraint_states["kernel"].converged)
 
@@ -84,6 +98,8 @@ CLAIMS = {  # a line of a block -> the check of what its comments say
   "params, states = train_seeds(": _seeds,
   "params = jax.device_put(params, shardings)": _sharded,
   "state_shardings = optax.tree.map_params(": _state_shardings,
+  "sgd_learning_rate, momentum = cola.langevin_to_sgd_momentum(h, gamma)": _choosing,
+  "params = optax.apply_updates(params, updates)              # hidden kernels orthonormal": _hidden_orthonormal_rest_adam,
   "opt_state.constraint_states['kernel'].converged": _implicit,
   "h, gamma = cola.sgd_momentum_to_langevin(0.1, 0.9)": _from_sgd_momentum,
 }
