@@ -99,7 +99,7 @@ CLAIMS = {  # a line of a block -> the check of what its comments say
   "params = jax.device_put(params, shardings)": _sharded,
   "state_shardings = optax.tree.map_params(": _state_shardings,
   "sgd_learning_rate, momentum = cola.langevin_to_sgd_momentum(h, gamma)": _choosing,
-  "params = optax.apply_updates(params, updates)              # hidden kernels orthonormal": _hidden_orthonormal_rest_adam,
+  "# hidden kernels orthonormal, the rest by Adam": _hidden_orthonormal_rest_adam,
   "opt_state.constraint_states['kernel'].converged": _implicit,
   "h, gamma = cola.sgd_momentum_to_langevin(0.1, 0.9)": _from_sgd_momentum,
 }
