@@ -51,7 +51,7 @@ import numpy as np
 import optax
 
 import cola_jax as cola
-from cola_jax.constrained import _polar_of_tangent_step
+from cola_jax.constraints.orthogonal import polar_of_tangent_step
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a script or loaded by path
 from _common import provenance, write_json
@@ -100,7 +100,7 @@ def transported_adam(lr, b1=0.9, b2=0.999, eps=1e-8):
     m = b1 * tangent(m) + (1 - b1) * rgrad
     v = b2 * v + (1 - b2) * rgrad * rgrad
     direction = (m / (1 - b1**t)) / (jnp.sqrt(v / (1 - b2**t)) + eps)
-    return _polar_of_tangent_step(w - lr * tangent(direction)) - w, (m, v, t)
+    return polar_of_tangent_step(w - lr * tangent(direction)) - w, (m, v, t)
 
   return optax.GradientTransformation(init, update)  # pyright: ignore[reportArgumentType]
 

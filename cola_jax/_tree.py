@@ -6,6 +6,7 @@ Every check here runs where shapes and dtypes are static (at ``init``, or when
 """
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -173,3 +174,28 @@ class LeafLayout:
             f"{want.shape}: the state was initialised for parameters of other shapes. "
             "Re-initialise the optimizer when parameters change."
           )
+
+
+def initial_auxes(constraints: tuple, compute: list) -> list:
+  """Each leaf's auxiliary state for a new run (compiled as one program by the transforms' ``init``)."""
+  return [c.init(p) for c, p in zip(constraints, compute)]
+
+
+def without_variables(params):
+  """``params`` with flax.nnx Variables replaced by their arrays.
+
+  ``nnx.Optimizer`` initialises the transform on ``Param`` variables but updates
+  it with plain arrays; a per-leaf constraint state built inside a Variable
+  would come back from nnx as an ``nnx.State`` and no longer match.
+  """
+  nnx = sys.modules.get("flax.nnx")  # no Variables exist unless nnx is imported
+  return params if nnx is None else nnx.as_pure(params)
+
+
+def check_state(owner: str, state, expected: type) -> None:
+  if not isinstance(state, expected):
+    raise TypeError(
+      f"{owner}: the optimizer state must be the {expected.__name__} returned by "
+      f"init(), got {type(state).__name__}. (A checkpoint restored without a "
+      "target comes back as dicts: restore it with tx.init(params) as the target.)"
+    )

@@ -17,20 +17,22 @@ a retraction that exists for every finite step. Unconstrained leaves get
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import optax
 
 from cola_jax import _compiled
-from cola_jax._numerics import max_abs, power_of_two_scale
-from cola_jax._tree import NOT_PARAMS, ConstraintSpec, LeafLayout, is_params_placeholder
+from cola_jax._tree import (
+  NOT_PARAMS,
+  ConstraintSpec,
+  LeafLayout,
+  check_state,
+  initial_auxes,
+  is_params_placeholder,
+  without_variables,
+)
 from cola_jax.constraints.base import Constraint, Euclidean
-from cola_jax.constraints.orthogonal import Orthogonal, ProjectionInfo, StiefelPoint
-from cola_jax.constraints.stiefel_projection import gram
-from cola_jax.transforms import _check_state, _initial_auxes, _without_variables
 
 _RETRACTIONS = ("polar", "projection")
-_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 class ConstrainedState(NamedTuple):
@@ -40,45 +42,9 @@ class ConstrainedState(NamedTuple):
   constraint_states: Any  # per leaf: auxiliary state of its constraint (None if free); not a copy of the parameters
 
 
-def _ambient_coordinates(c: Constraint, point, param) -> bool:
-  """Whether the geometry's momentum coordinates are ambient vectors (then projected) or a frame's (always tangent)."""
-  ambient = jax.eval_shape(c.ambient_gradient, point, param)
-  momentum = jax.eval_shape(c.load_momentum, jax.eval_shape(c.zero_momentum, param))
-  shapes = lambda tree: [(x.shape, x.dtype) for x in jax.tree.leaves(tree)]
-  return jax.tree.structure(ambient) == jax.tree.structure(momentum) and shapes(ambient) == shapes(momentum)
-
-
 def _tangent(c: Constraint, point, vector, param):
   """``Pi_q`` of a param-shaped ambient vector, in the stored momentum form of the leaf."""
   return c.store_momentum(c.cotangent(point, c.ambient_gradient(point, vector)), param)
-
-
-def _polar_of_tangent_step(m: jax.Array) -> jax.Array:
-  """The polar factor ``M (M^T M)^{-1/2}`` of ``M = Q + xi``, ``xi`` tangent, by an ``s x s`` eigendecomposition.
-
-  ``M^T M = I + xi^T xi`` has every eigenvalue at least 1, so the inverse square
-  root is well conditioned for every finite step: no SVD of the ``r x s``
-  matrix is needed (an SVD of a 512 x 64 matrix costs several times more on CPU). ``M`` is scaled by
-  an exact power of two first (no overflow of ``M^T M``); a non-finite ``M``
-  gives NaN without calling ``eigh``.
-  """
-  finite = jnp.all(jnp.isfinite(m))
-  m = jnp.where(finite, m * power_of_two_scale(max_abs(m)), jnp.eye(*m.shape, dtype=m.dtype))
-  eigenvalues, vectors = jnp.linalg.eigh(gram(m, m))
-  inverse_sqrt = jax.lax.rsqrt(jnp.maximum(eigenvalues, jnp.finfo(m.dtype).tiny))
-  root = jnp.matmul(vectors * inverse_sqrt, vectors.T, precision=_HIGHEST)
-  q = jnp.matmul(m, root, precision=_HIGHEST)
-  # One step of the polar (Newton-Schulz) iteration takes the rounding of eigh (~ 1e-6 in float32) to ~ eps.
-  q = q - 0.5 * jnp.matmul(q, gram(q, q) - jnp.eye(q.shape[1], dtype=q.dtype), precision=_HIGHEST)
-  return jnp.where(finite, q, jnp.nan)
-
-
-def _polar_retraction(c: Orthogonal, point: StiefelPoint, step: jax.Array) -> StiefelPoint:
-  """``polar(Q + step)``, the nearest orthonormal matrix: it exists for every finite tangent step."""
-  moved = point.matrix + step
-  matrix = _polar_of_tangent_step(moved) if moved.ndim == 2 else jax.vmap(_polar_of_tangent_step)(moved)
-  info = ProjectionInfo(jnp.zeros((), jnp.int32), jnp.all(jnp.isfinite(matrix)), c.row_axes, c.column_axes)
-  return StiefelPoint(matrix, info)
 
 
 def _points(constraints: Sequence, compute: list, auxes: list) -> list:
@@ -93,17 +59,17 @@ def _seen_params(constraints: Sequence, points: list, compute: list, params: lis
 
 def _initial_state(inner, constraints: tuple, treedef, compute: list, params: list) -> "ConstrainedState":
   """The state of :func:`constrained` for these leaves (compiled as one program by its ``init``)."""
-  auxes = _initial_auxes(constraints, compute)
+  auxes = initial_auxes(constraints, compute)
   seen = _seen_params(constraints, _points(constraints, compute, auxes), compute, params)
   return ConstrainedState(inner_state=inner.init(treedef.unflatten(seen)), constraint_states=treedef.unflatten(auxes))
 
 
-def _retract(c: Constraint, point, coordinates, ambient: bool, retraction: str):
+def _retract(c: Constraint, point, coordinates, retraction: str):
   """The point reached from ``point`` by the tangent vector with these momentum coordinates."""
-  if ambient:
+  if c.momentum_coordinates == "ambient":
     coordinates = c.cotangent(point, coordinates)
-  if isinstance(c, Orthogonal):
-    return _polar_retraction(c, point, coordinates) if retraction == "polar" else c.project(point, coordinates)
+    if retraction == "projection":
+      return c.project(point, coordinates)
   return c.retract(point, coordinates)
 
 
@@ -155,28 +121,29 @@ def constrained(
   of circles, parabolas and spheres follow the point, and the projection
   keeps the ambient ones tangent.
 
-  Retraction. ``"polar"`` (default): an ``Orthogonal`` leaf moves to the
-  polar factor of ``Q + Pi u`` (the nearest orthonormal matrix), which exists
-  for every finite step; ``"projection"``: the constraint's own projection
-  along ``Q_n`` as in :func:`~cola_jax.cola_od` (with ``inner =
-  optax.sgd(h)`` this is ``cola_od(h)``), whose equation has no solution once
-  the step's normal part has spectral norm above 1 (Adam's elementwise steps
-  reach that): the projection then falls back to the polar factor and flags
-  the leaf's :class:`~cola_jax.ProjectionInfo`. The other constraints follow
-  their :meth:`~cola_jax.Constraint.retract` along ``Pi u``: the exact
-  geodesic flow for unit time (circle, box, sphere), the radial projection
-  (unit norm), the nearest point of the parabola (non-negative), SHAKE and,
-  where SHAKE has no solution, Newton's projection from the moved point
-  (implicit); ``retraction`` does not change them. Each exists for every
-  finite step, except that an ``Implicit`` unit neither projection reaches
-  stays where it was, flagged.
+  Retraction. ``"polar"`` (default): every leaf moves by its constraint's
+  :meth:`~cola_jax.Constraint.retract` along ``Pi u``, which exists for
+  every finite step: the polar factor of ``Q + Pi u`` (the nearest
+  orthonormal matrix) for ``Orthogonal``, the exact geodesic flow for unit
+  time (circle, box, sphere), the radial projection (unit norm), the nearest
+  point of the parabola (non-negative), SHAKE and, where SHAKE has no
+  solution, Newton's projection from the moved point (implicit; a unit that
+  neither reaches stays where it was, flagged). ``"projection"``: the leaves
+  whose tangent vectors are ambient (``Orthogonal``, ``UnitNorm``,
+  ``Implicit``) move by their constraint's own projection along ``q_n``, as in
+  :func:`~cola_jax.cola_od` (with ``inner = optax.sgd(h)`` this is
+  ``cola_od(h)``); for ``Orthogonal`` its equation has no solution once the
+  step's normal part has spectral norm above 1 (Adam's elementwise steps
+  reach that), and the projection then falls back to the polar factor and
+  flags the leaf's :class:`~cola_jax.ProjectionInfo`.
 
   Args:
     inner: any ``optax.GradientTransformation``; its learning rate sets the step.
     constraints: as for :func:`~cola_jax.cola_od`: a ``Constraint``, ``None``,
       a pytree prefix of the parameters, a callable of the parameters
       (:func:`~cola_jax.path_constraints`, :func:`~cola_jax.constraints_from`).
-    retraction: ``"polar"`` or ``"projection"``, for ``Orthogonal`` leaves.
+    retraction: ``"polar"`` (each constraint's ``retract``) or ``"projection"``
+      (the projection along ``q_n`` where the tangent vectors are ambient).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` needs
@@ -209,14 +176,14 @@ def constrained(
   def init_fn(params):
     if is_params_placeholder(params):  # optax.tree.map_params: inner's state says which fields copy the parameters
       return ConstrainedState(inner_state=inner.init(params), constraint_states=NOT_PARAMS)
-    layout = LeafLayout(owner, constraints, _without_variables(params))
+    layout = LeafLayout(owner, constraints, without_variables(params))
     # One program, in which XLA drops the tangent projections that inner's init does not read.
     return _compiled.call(
       _initial_state, (inner, tuple(layout.constraints), layout.treedef), layout.compute, layout.params
     )
 
   def update_fn(grads, state, params=None, **extra_args):
-    _check_state(owner, state, ConstrainedState)
+    check_state(owner, state, ConstrainedState)
     layout = LeafLayout(owner, constraints, params)
     grad_leaves = layout.gradients(grads)
     auxes = layout.flatten(state.constraint_states, "state.constraint_states")
@@ -247,7 +214,7 @@ def constrained(
         new_auxes.append(aux)
         continue
       coordinates = c.load_momentum(jnp.asarray(u).astype(p.dtype))
-      new_param, new_aux = c.unpack(_retract(c, q, coordinates, _ambient_coordinates(c, q, p), retraction), p)
+      new_param, new_aux = c.unpack(_retract(c, q, coordinates, retraction), p)
       updates.append((new_param - p).astype(param.dtype))
       new_auxes.append(new_aux)
     return layout.unflatten(updates), ConstrainedState(inner_state, layout.unflatten(new_auxes))

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import sys
 from typing import Any, NamedTuple
 
 import jax
@@ -33,11 +32,28 @@ import optax
 from cola_jax import _compiled, _shared_noise, langevin
 from cola_jax._hyperparameters import check_floating_dtype, check_nonnegative, check_positive
 from cola_jax._numerics import computed_after, concrete_float, explicit_sharding
-from cola_jax._tree import NOT_PARAMS, ConstraintSpec, LeafLayout, is_params_placeholder
+from cola_jax._tree import (
+  NOT_PARAMS,
+  ConstraintSpec,
+  LeafLayout,
+  check_state,
+  initial_auxes,
+  is_params_placeholder,
+  without_variables,
+)
 
 
 class OverdampedState(NamedTuple):
-  """State of :func:`cola_od`."""
+  """State of :func:`cola_od`: the step count, the PRNG key and each leaf's constraint state.
+
+  Example:
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> tx = cola.cola_od(0.1, constraints=cola.Circle(0.5))
+    >>> tx.init(jnp.array([0.3, 0.5]))  # the slack of |w| <= 0.5: sqrt(0.5**2 - w**2)
+    OverdampedState(count=Array(0, dtype=int32), key=None,
+                    constraint_states=CircleState(slack=Array([0.4, 0. ], dtype=float32),
+                                                  radius=Array(0.5, dtype=float32)))
+  """
 
   count: jax.Array  # pyright: ignore[reportIncompatibleMethodOverride]  (steps taken, int32, as optax names it)
   key: jax.Array | None  # PRNG key, None when no noise is ever drawn
@@ -45,7 +61,17 @@ class OverdampedState(NamedTuple):
 
 
 class UnderdampedState(NamedTuple):
-  """State of :func:`cola_ud`."""
+  """State of :func:`cola_ud`: that of :func:`cola_od` and the momenta.
+
+  Example:
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> tx = cola.cola_ud(0.1, friction=1.0)
+    >>> params = {'w': jnp.array([1.0, -2.0])}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({'w': jnp.array([1.0, 1.0])}, state, params)
+    >>> state.count, state.momentum  # p = -h grad after a first step from rest
+    (Array(1, dtype=int32), {'w': Array([-0.1, -0.1], dtype=float32)})
+  """
 
   count: jax.Array  # pyright: ignore[reportIncompatibleMethodOverride]  (steps taken, int32, as optax names it)
   key: jax.Array | None  # PRNG key, None when no noise is ever drawn
@@ -119,31 +145,6 @@ def _temperature_at(temperature, count):
   whose square root would be NaN.)
   """
   return jnp.maximum(_at(temperature, count), 0.0)
-
-
-def _initial_auxes(constraints: tuple, compute: list) -> list:
-  """Each leaf's auxiliary state for a new run (compiled as one program by the transforms' ``init``)."""
-  return [c.init(p) for c, p in zip(constraints, compute)]
-
-
-def _without_variables(params):
-  """``params`` with flax.nnx Variables replaced by their arrays.
-
-  ``nnx.Optimizer`` initialises the transform on ``Param`` variables but updates
-  it with plain arrays; a per-leaf constraint state built inside a Variable
-  would come back from nnx as an ``nnx.State`` and no longer match.
-  """
-  nnx = sys.modules.get("flax.nnx")  # no Variables exist unless nnx is imported
-  return params if nnx is None else nnx.as_pure(params)
-
-
-def _check_state(owner: str, state, expected: type) -> None:
-  if not isinstance(state, expected):
-    raise TypeError(
-      f"{owner}: the optimizer state must be the {expected.__name__} returned by "
-      f"init(), got {type(state).__name__}. (A checkpoint restored without a "
-      "target comes back as dicts: restore it with tx.init(params) as the target.)"
-    )
 
 
 def _step_keys(key, noisy: bool, n_leaves: int):
@@ -304,12 +305,15 @@ def cola_od(
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, cola_jax as cola
-    >>> params = {'w': jnp.eye(3), 'b': jnp.zeros(3)}
+    >>> params = {'w': jnp.eye(3, 2), 'b': jnp.zeros(2)}
     >>> tx = cola.cola_od(0.1, constraints={'w': cola.Orthogonal(), 'b': None})
     >>> state = tx.init(params)
     >>> grads = jax.tree.map(jnp.ones_like, params)
     >>> updates, state = tx.update(grads, state, params)
     >>> params = optax.apply_updates(params, updates)
+    >>> w = params['w']
+    >>> bool(jnp.allclose(w.T @ w, jnp.eye(2), atol=1e-5)), params['b']  # b: a plain gradient step
+    (True, Array([-0.1, -0.1], dtype=float32))
 
   References:
     Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of
@@ -321,13 +325,13 @@ def cola_od(
   def init_fn(params):
     if is_params_placeholder(params):  # optax.tree.map_params: no field is a copy of the parameters
       return OverdampedState(count=jnp.zeros([], jnp.int32), key=key, constraint_states=NOT_PARAMS)
-    layout = LeafLayout(owner, constraints, _without_variables(params))
-    auxes = _compiled.call(_initial_auxes, (tuple(layout.constraints),), layout.compute)
+    layout = LeafLayout(owner, constraints, without_variables(params))
+    auxes = _compiled.call(initial_auxes, (tuple(layout.constraints),), layout.compute)
     return OverdampedState(count=jnp.zeros([], jnp.int32), key=key, constraint_states=layout.unflatten(auxes))
 
   def update_fn(grads, state, params=None, **extra_args):
     del extra_args  # as optax.sgd: the loss value and the like are not used
-    _check_state(owner, state, OverdampedState)
+    check_state(owner, state, OverdampedState)
     layout = LeafLayout(owner, constraints, params)
     grad_leaves = layout.gradients(grads)
     auxes = layout.flatten(state.constraint_states, "state.constraint_states")
@@ -401,7 +405,7 @@ def cola_ud(
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, cola_jax as cola
-    >>> params = {'w': jnp.full((3, 3), 0.05), 'b': jnp.zeros(3)}
+    >>> params = {'w': jnp.full((3, 2), 0.05), 'b': jnp.zeros(2)}
     >>> tx = cola.cola_ud(0.3, friction=1.0,
     ...                   constraints={'w': cola.Circle(0.1), 'b': None},
     ...                   temperature=1e-4, key=jax.random.key(0))
@@ -409,6 +413,8 @@ def cola_ud(
     >>> grads = jax.tree.map(jnp.ones_like, params)
     >>> updates, state = tx.update(grads, state, params)
     >>> params = optax.apply_updates(params, updates)
+    >>> bool(jnp.abs(params['w']).max() <= 0.1)  # noise and all, |w| <= 0.1
+    True
 
   References:
     Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of
@@ -426,8 +432,8 @@ def cola_ud(
   def init_fn(params):
     if is_params_placeholder(params):  # optax.tree.map_params: the momenta are the copy of the parameters
       return UnderdampedState(count=jnp.zeros([], jnp.int32), key=key, constraint_states=NOT_PARAMS, momentum=params)
-    layout = LeafLayout(owner, constraints, _without_variables(params))
-    auxes = _compiled.call(_initial_auxes, (tuple(layout.constraints),), layout.compute)
+    layout = LeafLayout(owner, constraints, without_variables(params))
+    auxes = _compiled.call(initial_auxes, (tuple(layout.constraints),), layout.compute)
     momenta = [c.zero_momentum(p) for c, p in zip(layout.constraints, layout.compute)]
     if momentum_dtype is not None:
       momenta = [m.astype(momentum_dtype) for m in momenta]
@@ -440,7 +446,7 @@ def cola_ud(
 
   def update_fn(grads, state, params=None, **extra_args):
     del extra_args  # as optax.sgd: the loss value and the like are not used
-    _check_state(owner, state, UnderdampedState)
+    check_state(owner, state, UnderdampedState)
     layout = LeafLayout(owner, constraints, params)
     grad_leaves = layout.gradients(grads)
     auxes = layout.flatten(state.constraint_states, "state.constraint_states")

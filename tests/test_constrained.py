@@ -6,6 +6,9 @@ leaves them, the known optimum of a Stiefel problem, and the optax, Flax and
 orbax idioms.
 """
 
+import dataclasses
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -258,3 +261,56 @@ def test_flax_train_state_and_nnx_optimizer_train_as_the_plain_loop():
   np.testing.assert_allclose(trained["bias"], reference["bias"], atol=1e-6)
   np.testing.assert_allclose(trained["kernel"].T @ trained["kernel"], jnp.eye(4), atol=1e-6)
   assert not np.allclose(trained["kernel"], start["kernel"])  # it trained
+
+
+class _ZeroSumState(NamedTuple):
+  def residual(self, param):
+    return jnp.abs(jnp.sum(param))
+
+
+@dataclasses.dataclass(frozen=True)
+class _ZeroSum(cola.Constraint):
+  """``sum(w) = 0``, a hyperplane, written against the ``Constraint`` interface alone."""
+
+  def init(self, param):
+    return _ZeroSumState()
+
+  def point(self, param, aux):
+    return param - jnp.mean(param)
+
+  def unpack(self, point, param):
+    return point, _ZeroSumState()
+
+  def ambient_gradient(self, point, grad):
+    return grad
+
+  def ambient_normal(self, key, point):
+    return jax.random.normal(key, point.shape, point.dtype)
+
+  def project(self, anchor, step):
+    return anchor + step - jnp.mean(step)
+
+  def cotangent(self, point, vector):
+    return vector - jnp.mean(vector)
+
+  def cotangent_normal(self, key, point):
+    return self.cotangent(point, self.ambient_normal(key, point))
+
+  def a_step(self, point, momentum, h):
+    return point + h * momentum, momentum
+
+
+@pytest.mark.parametrize("retraction", ["polar", "projection"])
+def test_a_constraint_written_outside_the_library_works_with_constrained(retraction):
+  """constrained reaches a new constraint only through the interface: nothing in it names a constraint."""
+  target = jnp.arange(6.0).reshape(2, 3)
+  loss = lambda p: jnp.sum((p["w"] - target) ** 2) + jnp.sum(p["b"] ** 2)
+  params = {"w": jnp.zeros((2, 3)), "b": jnp.ones(3)}
+  tx = cola.constrained(optax.adam(0.1), constraints={"w": _ZeroSum(), "b": None}, retraction=retraction)
+  state = tx.init(params)
+  step = jax.jit(lambda p, s: tx.update(jax.grad(loss)(p), s, p))
+  for _ in range(300):
+    updates, state = step(params, state)
+    params = optax.apply_updates(params, updates)
+  np.testing.assert_allclose(params["w"], target - jnp.mean(target), atol=1e-3)  # the plane's nearest point
+  assert float(cola.constraint_residuals(params, state)["w"]) < 1e-5

@@ -41,6 +41,11 @@ class Constraint(abc.ABC):
   # projection costs products or a solve, not where the noise is drawn in
   # cotangent coordinates directly.
   project_noise_with_force: ClassVar[bool] = False
+  # How momenta (and the tangent vectors of :func:`~cola_jax.constrained`) are
+  # stored: "ambient", as vectors of the ambient space whose tangent part
+  # ``cotangent`` takes; "frame", as coordinates in a frame of the tangent
+  # space (tangent whatever their values).
+  momentum_coordinates: ClassVar[str] = "ambient"
 
   def validate(self, param: jax.Array, path: str) -> None:
     """Raises ValueError naming ``path`` if the leaf cannot carry this constraint."""

@@ -100,6 +100,8 @@ class Box(Constraint):
   _center: float = dataclasses.field(init=False, repr=False, compare=False)
   _circle: Circle = dataclasses.field(init=False, repr=False, compare=False)
 
+  momentum_coordinates = "frame"  # as the circle's
+
   def __post_init__(self):
     _check_bound("lower", self.lower)
     _check_bound("upper", self.upper)

@@ -88,6 +88,8 @@ class Circle(Constraint):
 
   radius: float
 
+  momentum_coordinates = "frame"  # the momentum's coordinate along the unit tangent of each weight's circle
+
   def __post_init__(self):
     check_positive("Circle", "radius", self.radius)
 

@@ -191,6 +191,8 @@ class NonNegative(Constraint):
     ...                   constraints={'w_hidden': cola.NonNegative(), 'w_in': None, 'b': None})
   """
 
+  momentum_coordinates = "frame"  # the coordinate along the parabola's unit tangent
+
   def init(self, param):
     return NonNegativeState(slack=jnp.sqrt(jnp.maximum(param, 0)))
 

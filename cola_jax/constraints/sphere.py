@@ -176,6 +176,8 @@ class Sphere(Constraint):
   radius: float
   axis: tuple[int, ...] | None = None  # an int is accepted and stored as a tuple
 
+  momentum_coordinates = "frame"  # the frame transported from the pole
+
   def __post_init__(self):
     check_positive("Sphere", "radius", self.radius)
     axis = _normalize_axis(self.axis)
