@@ -89,6 +89,15 @@ def circle_constraints(radius: RadiusSpec, *, mask: MaskOrFn = None, owner: str 
   Returns a function ``params -> pytree`` with a :class:`~cola_jax.Circle` on
   each masked-in leaf whose radius is not None, for
   ``cola_od``/``cola_ud(constraints=...)`` or :func:`~cola_jax.project_params`.
+
+  Example:
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> params = {'w': jnp.array([[0.3, -0.02], [0.0, 0.01]]), 'b': jnp.zeros(2)}
+    >>> constraints = cola.circle_constraints(0.1)  # as c_cola_od(..., radius=0.1)
+    >>> constraints(params)  # b (ndim 1) is free
+    {'b': None, 'w': Circle(radius=0.1)}
+    >>> cola.project_params(params, constraints)['w']
+    Array([[ 0.1 , -0.02], [ 0.  ,  0.01]], dtype=float32)
   """
 
   if not callable(radius):  # numbers known now are checked now
@@ -117,6 +126,15 @@ def orthogonal_constraints(
 
   Returns a function ``params -> pytree`` with an :class:`~cola_jax.Orthogonal`
   on each masked-in leaf (default: ``ndim >= 2``).
+
+  Example:
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> params = {'w': jnp.array([[2.0, 0.0], [0.0, 0.5], [0.0, 0.0]]), 'b': jnp.zeros(2)}
+    >>> constraints = cola.orthogonal_constraints()  # as o_cola_od's
+    >>> constraints(params)  # b (ndim 1) is free
+    {'b': None, 'w': Orthogonal(tolerance=1e-06, ...)}
+    >>> cola.project_params(params, constraints)['w']  # the nearest orthonormal columns
+    Array([[1., 0.], [0., 1.], [0., 0.]], dtype=float32)
   """
   orthogonal = Orthogonal(tolerance=tolerance, max_iterations=max_iterations, projection=projection, loop=loop)
   return _constraints_per_leaf(owner, mask, lambda *_: orthogonal)
@@ -148,8 +166,15 @@ def c_cola_od(
     parameters off the manifold), and its ``update`` needs ``params``.
 
   Example:
-    >>> import cola_jax as cola
-    >>> tx = cola.c_cola_od(0.1, radius={'hidden': 0.05, 'out': 0.1})  # doctest: +SKIP
+    >>> import jax, jax.numpy as jnp, optax, cola_jax as cola
+    >>> params = {'w': jnp.full((3, 2), 0.05), 'b': jnp.zeros(2)}
+    >>> tx = cola.c_cola_od(0.1, radius=0.1)  # every entry of w in [-0.1, 0.1]; b is free
+    >>> state = tx.init(params)
+    >>> grads = {'w': jnp.full((3, 2), -2.0), 'b': jnp.ones(2)}
+    >>> updates, state = tx.update(grads, state, params)
+    >>> params = optax.apply_updates(params, updates)
+    >>> bool(jnp.abs(params['w']).max() <= 0.1), params['b']  # w would be 0.25 unconstrained
+    (True, Array([-0.1, -0.1], dtype=float32))
   """
   with called_as("c_cola_od"):
     return cola_od(
@@ -193,6 +218,18 @@ def c_cola_ud(
     An ``optax.GradientTransformation``, :func:`cola_jax.cola_ud` with :class:`cola_jax.Circle` constraints.
     It is the last link of a chain (a transform after it would move the
     parameters off the manifold), and its ``update`` needs ``params``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, cola_jax as cola
+    >>> params = {'w': jnp.full((3, 2), 0.05), 'b': jnp.zeros(2)}
+    >>> tx = cola.c_cola_ud(0.3, friction=1.0, radius={'w': 0.1, 'b': None})
+    >>> state = tx.init(params)
+    >>> grads = {'w': jnp.full((3, 2), -2.0), 'b': jnp.ones(2)}
+    >>> for _ in range(3):
+    ...   updates, state = tx.update(grads, state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> bool(jnp.abs(params['w']).max() <= 0.1), int(state.count)
+    (True, 3)
   """
   with called_as("c_cola_ud"):
     return cola_ud(
@@ -236,6 +273,18 @@ def o_cola_od(
     An ``optax.GradientTransformation``, :func:`cola_jax.cola_od` with :class:`cola_jax.Orthogonal` constraints.
     It is the last link of a chain (a transform after it would move the
     parameters off the manifold), and its ``update`` needs ``params``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, cola_jax as cola
+    >>> params = {'w': jnp.eye(3, 2), 'b': jnp.zeros(2)}
+    >>> tx = cola.o_cola_od(0.1)  # w keeps orthonormal columns; b is free
+    >>> state = tx.init(params)
+    >>> grads = jax.tree.map(jnp.ones_like, params)
+    >>> updates, state = tx.update(grads, state, params)
+    >>> params = optax.apply_updates(params, updates)
+    >>> w = params['w']
+    >>> bool(jnp.allclose(w.T @ w, jnp.eye(2), atol=1e-5))
+    True
   """
   constraints = orthogonal_constraints(
     mask=mask,
@@ -285,6 +334,19 @@ def o_cola_ud(
     An ``optax.GradientTransformation``, :func:`cola_jax.cola_ud` with :class:`cola_jax.Orthogonal` constraints.
     It is the last link of a chain (a transform after it would move the
     parameters off the manifold), and its ``update`` needs ``params``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, cola_jax as cola
+    >>> params = {'w': jnp.eye(3, 2), 'b': jnp.zeros(2)}
+    >>> tx = cola.o_cola_ud(0.1, friction=1.0)  # w keeps orthonormal columns; b is free
+    >>> state = tx.init(params)
+    >>> grads = jax.tree.map(jnp.ones_like, params)
+    >>> for _ in range(3):
+    ...   updates, state = tx.update(grads, state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> w = params['w']
+    >>> bool(jnp.allclose(w.T @ w, jnp.eye(2), atol=1e-5))
+    True
   """
   constraints = orthogonal_constraints(
     mask=mask,
@@ -316,15 +378,29 @@ def sgd_momentum_to_langevin(learning_rate: float, momentum: float) -> tuple[flo
   .. math::
     h = \sqrt{\text{learning\_rate}}, \qquad \gamma = -\log(\text{momentum}) / h.
 
-  Example: SGD-m with ``learning_rate=0.1, momentum=0.9`` is ``h = 0.316``,
-  ``gamma = 0.333``.
-
   Args:
     learning_rate: SGD's learning rate, ``> 0``.
     momentum: SGD's momentum, in ``(0, 1]``.
 
   Returns:
     ``(h, gamma)``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, cola_jax as cola
+    >>> h, gamma = cola.sgd_momentum_to_langevin(0.1, 0.9)
+    >>> round(h, 3), round(gamma, 3)
+    (0.316, 0.333)
+    >>> cola_tx, sgd_tx = cola.cola_ud(h, friction=gamma), optax.sgd(0.1, momentum=0.9)
+    >>> params = cola_params = sgd_params = jnp.array([1.0, -2.0])
+    >>> cola_state, sgd_state = cola_tx.init(params), sgd_tx.init(params)
+    >>> grads = jnp.array([0.5, 0.5])
+    >>> for _ in range(2):
+    ...   updates, cola_state = cola_tx.update(grads, cola_state, cola_params)
+    ...   cola_params = optax.apply_updates(cola_params, updates)
+    ...   updates, sgd_state = sgd_tx.update(grads, sgd_state, sgd_params)
+    ...   sgd_params = optax.apply_updates(sgd_params, updates)
+    >>> bool(jnp.allclose(cola_params, sgd_params))
+    True
   """
   check_positive("sgd_momentum_to_langevin", "learning_rate", learning_rate)
   check_positive("sgd_momentum_to_langevin", "momentum", momentum)
@@ -339,8 +415,14 @@ def sgd_momentum_to_langevin(learning_rate: float, momentum: float) -> tuple[flo
 def langevin_to_sgd_momentum(learning_rate: float, friction: float) -> tuple[float, float]:
   """The inverse of :func:`sgd_momentum_to_langevin`: ``(h**2, exp(-gamma h))``.
 
-  Example: the paper's c-CoLA-ud ``h = 0.3, gamma = 1`` has the SGD-m
-  hyperparameters ``learning_rate = 0.09, momentum = 0.741``.
+  Example:
+    >>> import cola_jax as cola
+    >>> # The paper's c-CoLA-ud, h = 0.3 and gamma = 1, as SGD-m hyperparameters:
+    >>> learning_rate, momentum = cola.langevin_to_sgd_momentum(0.3, 1.0)
+    >>> round(learning_rate, 3), round(momentum, 3)
+    (0.09, 0.741)
+    >>> tuple(round(x, 3) for x in cola.sgd_momentum_to_langevin(learning_rate, momentum))
+    (0.3, 1.0)
   """
   check_positive("langevin_to_sgd_momentum", "learning_rate", learning_rate)
   check_nonnegative("langevin_to_sgd_momentum", "friction", friction)

@@ -36,7 +36,16 @@ _RETRACTIONS = ("polar", "projection")
 
 
 class ConstrainedState(NamedTuple):
-  """State of :func:`constrained`."""
+  """State of :func:`constrained`: the inner transformation's state and each leaf's constraint state.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, cola_jax as cola
+    >>> tx = cola.constrained(optax.sgd(0.1, momentum=0.9), constraints=cola.Circle(0.5))
+    >>> tx.init(jnp.array([0.3, 0.5]))  # SGD's trace; the slack of |w| <= 0.5
+    ConstrainedState(inner_state=(TraceState(trace=Array([0., 0.], dtype=float32)), EmptyState()),
+                     constraint_states=CircleState(slack=Array([0.4, 0. ], dtype=float32),
+                                                   radius=Array(0.5, dtype=float32)))
+  """
 
   inner_state: Any  # the inner transformation's state, over the tangent coordinates of the leaves
   constraint_states: Any  # per leaf: auxiliary state of its constraint (None if free); not a copy of the parameters
@@ -152,12 +161,15 @@ def constrained(
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, cola_jax as cola
-    >>> params = {'w': jnp.eye(4, 2), 'b': jnp.zeros(2)}
+    >>> params = {'w': jnp.eye(3, 2), 'b': jnp.zeros(2)}
     >>> tx = cola.constrained(optax.adam(1e-2), constraints={'w': cola.Orthogonal(), 'b': None})
     >>> state = tx.init(params)
     >>> grads = jax.tree.map(jnp.ones_like, params)
     >>> updates, state = tx.update(grads, state, params)
     >>> params = optax.apply_updates(params, updates)
+    >>> w = params['w']
+    >>> bool(jnp.allclose(w.T @ w, jnp.eye(2), atol=1e-5)), params['b'].round(4)  # b: Adam's step
+    (True, Array([-0.01, -0.01], dtype=float32))
 
   References:
     Absil, Mahony, Sepulchre, *Optimization Algorithms on Matrix Manifolds*,

@@ -107,10 +107,15 @@ def with_constraint(initializer: Callable[..., Any], constraint: Constraint) -> 
     An initializer with the signature of ``initializer``.
 
   Example:
-    >>> import flax.linen as nn
-    >>> import cola_jax as cola
-    >>> layer = nn.Dense(16, kernel_init=cola.with_constraint(
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, cola_jax as cola
+    >>> layer = nn.Dense(2, kernel_init=cola.with_constraint(
     ...     nn.initializers.lecun_normal(), cola.Orthogonal()))
+    >>> variables = layer.init(jax.random.key(0), jnp.ones((1, 3)))
+    >>> variables['params']['kernel'].constraint
+    Orthogonal(tolerance=1e-06, ...)
+    >>> w = nn.meta.unbox(variables)['params']['kernel']  # it starts orthonormal
+    >>> bool(jnp.allclose(w.T @ w, jnp.eye(2), atol=1e-5))
+    True
   """
   if not callable(initializer):
     raise TypeError(f"with_constraint: initializer must be callable, got {initializer!r}.")
@@ -188,8 +193,21 @@ def constraints_from(tree: Any) -> Any:
       parameter's shape is no longer the one its constraint was declared for.
 
   Example:
-    >>> variables = model.init(key, x)  # doctest: +SKIP
-    >>> tx = cola.cola_od(0.1, constraints=cola.constraints_from(variables['params']))  # doctest: +SKIP
+    >>> import jax, jax.numpy as jnp, optax, flax.linen as nn, cola_jax as cola
+    >>> layer = nn.Dense(2, kernel_init=cola.with_constraint(nn.initializers.zeros, cola.Circle(0.1)))
+    >>> x = jnp.ones((1, 3))
+    >>> variables = layer.init(jax.random.key(0), x)
+    >>> constraints = cola.constraints_from(variables['params'])
+    >>> constraints
+    {'bias': None, 'kernel': Circle(radius=0.1)}
+    >>> params = nn.meta.unbox(variables['params'])
+    >>> tx = cola.cola_od(0.1, constraints=constraints)
+    >>> state = tx.init(params)
+    >>> loss = lambda params: -jnp.sum(layer.apply({'params': params}, x))
+    >>> updates, state = tx.update(jax.grad(loss)(params), state, params)
+    >>> params = optax.apply_updates(params, updates)
+    >>> bool(jnp.abs(params['kernel']).max() <= 0.1)
+    True
   """
   if "flax" in sys.modules:
     flax_metadata = _flax_metadata("constraints_from")

@@ -52,8 +52,15 @@ def constraint_residuals(params: Any, state: Any) -> Any:
     leaves).
 
   Example:
-    >>> residuals = cola.constraint_residuals(params, opt_state)  # doctest: +SKIP
-    >>> max(jax.tree.leaves(residuals))  # doctest: +SKIP
+    >>> import jax, jax.numpy as jnp, optax, cola_jax as cola
+    >>> params = {'w': jnp.eye(3, 2), 'b': jnp.zeros(2)}
+    >>> tx = optax.chain(optax.clip_by_global_norm(1.0), cola.o_cola_od(0.1))
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+    >>> params = optax.apply_updates(params, updates)
+    >>> residuals = cola.constraint_residuals(params, state)  # max |W^T W - I| for w
+    >>> residuals['b'], bool(residuals['w'] < 1e-5)
+    (None, True)
   """
   cola_state = _cola_state(state)
   leaves, treedef = jax.tree.flatten(params)

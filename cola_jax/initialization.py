@@ -26,8 +26,11 @@ def project_params(params: Any, constraints: ConstraintSpec) -> Any:
     Parameters of the same structure and dtypes.
 
   Example:
-    >>> params = model.init(key, x)['params']  # doctest: +SKIP
-    >>> params = cola.project_params(params, cola.orthogonal_constraints())  # doctest: +SKIP
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> params = {'w': jnp.array([[2.0, 0.0], [0.0, 0.5]]), 'b': jnp.array([3.0, -0.5]), 'free': jnp.ones(2)}
+    >>> cola.project_params(params, {'w': cola.Orthogonal(), 'b': cola.Circle(1.0), 'free': None})
+    {'b': Array([ 1. , -0.5], dtype=float32), 'free': Array([1., 1.], dtype=float32),
+     'w': Array([[1., 0.], [0., 1.]], dtype=float32)}
   """
   layout = LeafLayout("project_params", constraints, params)
   return layout.unflatten(

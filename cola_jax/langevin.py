@@ -51,6 +51,15 @@ def overdamped_step(
   """One Euler-Maruyama step of size ``h``, projected back onto the manifold.
 
   ``noise_scale`` is ``sqrt(2 tau h)``; without a ``key`` no noise is drawn.
+
+  Example:
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> from cola_jax import langevin
+    >>> circle, w = cola.Circle(1.0), jnp.array([0.6, -0.6])
+    >>> point = circle.point(w, circle.init(w))  # (theta, xi) = (w, sqrt(1 - w**2))
+    >>> theta, xi = langevin.overdamped_step(circle, point, jnp.array([-4.0, 0.0]), h=0.1)
+    >>> [round(float(t), 3) for t in theta], bool(jnp.allclose(theta**2 + xi**2, 1.0))  # (1.0, 0.8) projected
+    ([0.781, -0.6], True)
   """
   step = jax.tree.map(lambda force: -h * force, constraint.ambient_gradient(point, grad))
   if key is not None:
@@ -70,6 +79,14 @@ def o_step(
 
   ``decay`` is ``exp(-gamma h)`` and ``noise_scale`` is
   ``sqrt(tau (1 - exp(-2 gamma h)))``; without a ``key`` no noise is drawn.
+
+  Example:
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> from cola_jax import langevin
+    >>> circle, w = cola.Circle(1.0), jnp.array([0.6, -0.6])
+    >>> point = circle.point(w, circle.init(w))  # (theta, xi) = (w, sqrt(1 - w**2))
+    >>> langevin.o_step(circle, point, jnp.array([1.0, -1.0]), decay=0.5)  # no key: friction only
+    Array([ 0.5, -0.5], dtype=float32)
   """
   momentum = decay * momentum
   if key is not None:
@@ -78,12 +95,32 @@ def o_step(
 
 
 def b_step(constraint: Constraint, point: Point, momentum: Momentum, grad: jax.Array, h) -> Momentum:
-  """The kick by the projected force: ``p - h Pi(q) grad V(q)``."""
+  """The kick by the projected force: ``p - h Pi(q) grad V(q)``.
+
+  Example:
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> from cola_jax import langevin
+    >>> circle, w = cola.Circle(1.0), jnp.array([0.6, -0.6])
+    >>> point = circle.point(w, circle.init(w))  # (theta, xi) = (w, sqrt(1 - w**2))
+    >>> momentum = langevin.b_step(circle, point, jnp.zeros(2), jnp.array([1.0, 1.0]), h=0.1)
+    >>> [round(float(p), 3) for p in momentum]  # -h grad xi / r
+    [-0.08, -0.08]
+  """
   return momentum - h * constraint.projected_gradient(point, grad)
 
 
 def a_step(constraint: Constraint, point: Point, momentum: Momentum, h) -> tuple[Point, Momentum]:
-  """Free flight on the manifold for time ``h`` (exact or RATTLE, per geometry)."""
+  """Free flight on the manifold for time ``h`` (exact or RATTLE, per geometry).
+
+  Example:
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> from cola_jax import langevin
+    >>> circle, w = cola.Circle(1.0), jnp.array([0.6, -0.6])
+    >>> point = circle.point(w, circle.init(w))  # (theta, xi) = (w, sqrt(1 - w**2))
+    >>> (theta, xi), momentum = langevin.a_step(circle, point, jnp.array([1.0, -1.0]), h=0.1)
+    >>> [round(float(t), 3) for t in theta], bool(jnp.allclose(theta**2 + xi**2, 1.0)), momentum
+    ([0.677, -0.677], True, Array([ 1., -1.], dtype=float32))
+  """
   return constraint.a_step(point, momentum, h)
 
 
@@ -104,6 +141,16 @@ def oba_step(
   ``e^{-gamma h} p + Pi(q)(noise_scale R - h grad V(q))``: the same momentum
   up to rounding (``p`` is cotangent and ``Pi(q)`` linear), one projection
   instead of two.
+
+  Example:
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> from cola_jax import langevin
+    >>> circle, w = cola.Circle(1.0), jnp.array([0.6, -0.6])
+    >>> point = circle.point(w, circle.init(w))  # (theta, xi) = (w, sqrt(1 - w**2))
+    >>> grad = jnp.array([1.0, 1.0])
+    >>> (theta, xi), momentum = langevin.oba_step(circle, point, jnp.zeros(2), grad, h=0.1, decay=0.9)
+    >>> [round(float(p), 3) for p in momentum], bool(jnp.allclose(theta**2 + xi**2, 1.0))  # p = -h grad xi / r
+    ([-0.08, -0.08], True)
   """
   if key is not None and constraint.project_noise_with_force:
     force = jax.tree.map(
@@ -141,6 +188,17 @@ def baoab_step(
     Leimkuhler and Matthews, *Rational construction of stochastic numerical
     methods for molecular sampling*, AMRX 2013 (BAOAB's configurational
     accuracy).
+
+  Example:
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> from cola_jax import langevin
+    >>> circle, w = cola.Circle(1.0), jnp.array([0.6, -0.6])
+    >>> point = circle.point(w, circle.init(w))  # (theta, xi) = (w, sqrt(1 - w**2))
+    >>> grad = jnp.array([1.0, 1.0])
+    >>> (theta, xi), momentum = langevin.baoab_step(
+    ...     circle, point, jnp.zeros(2), grad, h=0.1, kick=0.05, decay=0.9)  # the first call: kick h / 2
+    >>> [round(float(p), 3) for p in momentum], bool(jnp.allclose(theta**2 + xi**2, 1.0))
+    ([-0.036, -0.036], True)
   """
   momentum = b_step(constraint, point, momentum, grad, kick)
   point, momentum = a_step(constraint, point, momentum, h / 2)

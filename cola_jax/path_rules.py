@@ -95,11 +95,16 @@ def path_constraints(
     :func:`cola_jax.project_params`.
 
   Example:
-    >>> import cola_jax as cola
+    >>> import jax.numpy as jnp, cola_jax as cola
     >>> constraints = cola.path_constraints([
     ...     (r'attn/.*/kernel$', cola.Orthogonal()),
     ...     (r'mlp/.*/kernel$', cola.Circle(0.5)),
     ... ])
+    >>> params = {'attn': {'query': {'kernel': jnp.eye(3, 2), 'bias': jnp.zeros(2)}},
+    ...           'mlp': {'dense': {'kernel': jnp.zeros((2, 2)), 'bias': jnp.zeros(2)}}}
+    >>> constraints(params)  # what cola_od/cola_ud compute at init
+    {'attn': {'query': {'bias': None, 'kernel': Orthogonal(...)}},
+     'mlp': {'dense': {'bias': None, 'kernel': Circle(radius=0.5)}}}
     >>> tx = cola.cola_ud(0.1, friction=1.0, constraints=constraints)
   """
   if isinstance(rules, (str, bytes, Mapping)) or not isinstance(rules, Sequence):

@@ -41,6 +41,9 @@ nb_execution_mode = "off"
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_preserve_defaults = True
+# Annotations as written (the modules that use them have ``from __future__ import annotations``), not optax's
+# three-line union.
+autodoc_type_aliases = {"optax.ScalarOrSchedule": "optax.ScalarOrSchedule"}
 autosummary_generate = False
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False

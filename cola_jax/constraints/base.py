@@ -30,6 +30,16 @@ class Constraint(abc.ABC):
   Subclasses are frozen dataclasses: hashable, comparable, and free of arrays
   other than hyperparameters, so that transforms can be rebuilt inside
   ``optax.inject_hyperparams`` without recompiling.
+
+  Example:
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> circle = cola.Circle(0.5)
+    >>> isinstance(circle, cola.Constraint), circle == cola.Circle(0.5)
+    (True, True)
+    >>> w = circle.nearest(jnp.array([0.7, -0.2]))  # the leaf on the manifold
+    >>> aux = circle.init(w)  # its auxiliary state
+    >>> w, float(aux.residual(w))
+    (Array([ 0.5, -0.2], dtype=float32), 0.0)
   """
 
   # Whether the transforms step leaves of one shape together under ``vmap``:

@@ -48,7 +48,15 @@ from cola_jax.constraints.circle import Circle, CircleState
 
 
 class BoxState(NamedTuple):
-  """Auxiliary state of a box-constrained leaf."""
+  """Auxiliary state of a box-constrained leaf: the slacks and the circle's center and radius.
+
+  Example:
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> tx = cola.cola_od(0.1, constraints=cola.Box(0.0, 0.2))
+    >>> tx.init(jnp.array([0.1, 0.2])).constraint_states  # (w - 0.1)**2 + slack**2 = 0.1**2
+    BoxState(slack=Array([0.1, 0. ], dtype=float32), center=Array(0.1, dtype=float32),
+             radius=Array(0.1, dtype=float32))
+  """
 
   slack: jax.Array  # xi, shaped like the weight
   center: jax.Array  # c = (lower + upper) / 2, a scalar
@@ -89,7 +97,9 @@ class Box(Constraint):
   the bounds without a loss).
 
   Example:
-    >>> import cola_jax as cola
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> cola.Box(0.0, 0.2).nearest(jnp.array([-1.0, 0.1, 0.5]))  # where the first update starts
+    Array([0. , 0.1, 0.2], dtype=float32)
     >>> # Non-negative weights below 0.2; biases free.
     >>> tx = cola.cola_ud(0.3, friction=1.0,
     ...                   constraints={'w': cola.Box(0.0, 0.2), 'b': None})

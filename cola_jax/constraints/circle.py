@@ -55,7 +55,14 @@ from cola_jax.constraints.base import Constraint
 
 
 class CircleState(NamedTuple):
-  """Auxiliary state of a circle-constrained leaf."""
+  """Auxiliary state of a circle-constrained leaf: the slacks and the radius.
+
+  Example:
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> tx = cola.cola_od(0.1, constraints=cola.Circle(0.5))
+    >>> tx.init(jnp.array([0.3, 0.5])).constraint_states  # w**2 + slack**2 = 0.5**2
+    CircleState(slack=Array([0.4, 0. ], dtype=float32), radius=Array(0.5, dtype=float32))
+  """
 
   slack: jax.Array  # xi, shaped like the weight
   radius: jax.Array  # r, a scalar (kept so that residuals need only the state)
@@ -81,7 +88,9 @@ class Circle(Constraint):
   update; the slack starts at ``+sqrt(r^2 - theta^2)``.
 
   Example:
-    >>> import cola_jax as cola
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> cola.Circle(0.1).nearest(jnp.array([0.3, -0.05]))  # where the first update starts
+    Array([ 0.1 , -0.05], dtype=float32)
     >>> tx = cola.cola_ud(0.3, friction=1.0,
     ...                   constraints={'w': cola.Circle(0.1), 'b': None})
   """

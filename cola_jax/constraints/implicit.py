@@ -141,6 +141,16 @@ class ImplicitState:
 
   ``constraint`` is static (part of the tree structure), so that the residual
   can evaluate ``g``.
+
+  Example:
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> norm2 = cola.Implicit(equality=lambda w: jnp.sum(w**2) / 4 - 1)  # |w| = 2
+    >>> w = jnp.array([2.0, 0.0])
+    >>> state = cola.cola_od(0.1, constraints=norm2).init(w).constraint_states
+    >>> bool(state.converged), int(state.iterations), state.slack.shape  # no inequality: no slack
+    (True, 0, (0,))
+    >>> float(state.residual(jnp.array([0.0, 3.0])))  # max |g|: 9 / 4 - 1
+    1.25
   """
 
   # s, shaped like inequality(x), shape (0,) without inequalities; per unit (axis
@@ -410,6 +420,9 @@ class Implicit(Constraint):
     >>> # Incoming weights of every unit sum to zero, the kernel's norm is 2.
     >>> zero_mean_norm2 = cola.Implicit(
     ...     equality=lambda w: jnp.append(w.sum(axis=0), jnp.sum(w**2) / 4 - 1))
+    >>> w = zero_mean_norm2.nearest(jnp.array([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]))
+    >>> bool(jnp.allclose(w.sum(axis=0), 0.0, atol=1e-5)), round(float(jnp.sum(w**2)), 4)
+    (True, 4.0)
     >>> tx = cola.cola_ud(0.1, friction=1.0,
     ...                   constraints={'kernel': zero_mean_norm2, 'bias': None})
     >>> # Each unit (column) sums to zero and has norm 1: two components per unit.

@@ -102,7 +102,14 @@ _NEWTON_ITERATIONS = 5
 
 
 class NonNegativeState(NamedTuple):
-  """Auxiliary state of a non-negative leaf."""
+  """Auxiliary state of a non-negative leaf: the slacks ``s`` of ``w = s^2``.
+
+  Example:
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> tx = cola.cola_od(0.1, constraints=cola.NonNegative())
+    >>> tx.init(jnp.array([0.25, 4.0, -1.0])).constraint_states  # sqrt(w), 0 below 0
+    NonNegativeState(slack=Array([0.5, 2. , 0. ], dtype=float32))
+  """
 
   slack: jax.Array  # s, shaped like the weight: w = s^2
 
@@ -185,7 +192,9 @@ class NonNegative(Constraint):
   and the invariant density ``exp(-V/tau) sqrt(1 + 4w) / sqrt(w)``.
 
   Example:
-    >>> import cola_jax as cola
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> cola.NonNegative().nearest(jnp.array([-1.0, 0.5]))  # where the first update starts
+    Array([0. , 0.5], dtype=float32)
     >>> # An input-convex layer: non-negative weights on the hidden path.
     >>> tx = cola.cola_ud(0.1, friction=1.0,
     ...                   constraints={'w_hidden': cola.NonNegative(), 'w_in': None, 'b': None})

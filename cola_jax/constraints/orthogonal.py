@@ -215,6 +215,16 @@ class ProjectionInfo:
   aggregated: the most iterations any matrix used, and converged only if every
   matrix converged. ``row_axes`` and ``column_axes`` (static) are the leaf's
   view, so that the residual can form its matrices.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, cola_jax as cola
+    >>> params = {'w': jnp.eye(3, 2), 'b': jnp.zeros(2)}
+    >>> tx = cola.o_cola_od(0.1)
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+    >>> info = state.constraint_states['w']  # the step's projection
+    >>> bool(info.converged), int(info.iterations) > 0
+    (True, True)
   """
 
   iterations: jax.Array  # solver iterations used (0: the step has no root, detected before iterating)
@@ -305,7 +315,10 @@ class Orthogonal(Constraint):
   like the leaf.
 
   Example:
-    >>> import cola_jax as cola
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> kernel = jnp.array([[2.0, 0.0], [0.0, 0.5], [0.0, 0.0]])
+    >>> cola.Orthogonal().nearest(kernel)  # where the first update starts: the polar factor
+    Array([[1., 0.], [0., 1.], [0., 0.]], dtype=float32)
     >>> tx = cola.cola_od(0.1, constraints={'kernel': cola.Orthogonal(), 'bias': None})
     >>> # A conv kernel (kh, kw, in, out) as kh * kw orthonormal (in, out) matrices.
     >>> per_tap = cola.Orthogonal(row_axes=2, column_axes=3)

@@ -89,7 +89,14 @@ _MARGIN = 4
 
 
 class SphereState(NamedTuple):
-  """Auxiliary state of a sphere-constrained leaf."""
+  """Auxiliary state of a sphere-constrained leaf: one slack per unit, and the radius.
+
+  Example:
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> tx = cola.cola_od(0.1, constraints=cola.Sphere(1.0))
+    >>> tx.init(jnp.array([[0.6, 0.0], [0.0, 0.5]])).constraint_states  # |column|**2 + slack**2 = 1
+    SphereState(slack=Array([[0.8 , 0.8660254]], dtype=float32), radius=Array(1., dtype=float32))
+  """
 
   # xi, shaped like the weight with the reduced axes kept as size 1: (1, out)
   # for a Dense kernel (in, out), (1, 1, 1, out) for a conv kernel.
@@ -168,7 +175,10 @@ class Sphere(Constraint):
   transported from the pole (see the module docstring).
 
   Example:
-    >>> import cola_jax as cola
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> kernel = jnp.array([[3.0, 0.3], [4.0, 0.4]])  # columns of norm 5 and 0.5
+    >>> cola.Sphere(1.0).nearest(kernel).round(3)  # where the first update starts
+    Array([[0.6, 0.3], [0.8, 0.4]], dtype=float32)
     >>> tx = cola.cola_ud(0.3, friction=1.0,
     ...                   constraints={'kernel': cola.Sphere(1.0), 'bias': None})
   """

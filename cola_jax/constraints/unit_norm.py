@@ -61,7 +61,17 @@ from cola_jax.constraints.sphere import Sphere, _check_axis, _normalize_axis
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["radius"], meta_fields=["axes"])
 @dataclasses.dataclass(frozen=True)
 class UnitNormState:
-  """Auxiliary state of a unit-norm leaf: nothing but what the residual needs."""
+  """Auxiliary state of a unit-norm leaf: nothing but what the residual needs.
+
+  Example:
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> tx = cola.cola_od(0.1, constraints=cola.UnitNorm())
+    >>> state = tx.init(jnp.array([[0.6, 0.0], [0.8, 1.0]])).constraint_states
+    >>> state
+    UnitNormState(radius=Array(1., dtype=float32), axes=(0,))
+    >>> float(state.residual(jnp.array([[0.6, 0.0], [0.8, 2.0]])))  # max |norm**2 - 1| over the columns
+    3.0
+  """
 
   radius: jax.Array  # r, a scalar
   axes: tuple[int, ...]  # the normed axes of the leaf, static
@@ -95,7 +105,10 @@ class UnitNorm(Constraint):
   vector, shaped like the leaf. See the module docstring for the geometry.
 
   Example:
-    >>> import cola_jax as cola
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> kernel = jnp.array([[3.0, 0.3], [4.0, 0.4]])  # columns of norm 5 and 0.5
+    >>> cola.UnitNorm().nearest(kernel).round(3)  # where the first update starts
+    Array([[0.6, 0.6], [0.8, 0.8]], dtype=float32)
     >>> tx = cola.cola_ud(0.3, friction=1.0,
     ...                   constraints={'kernel': cola.UnitNorm(), 'bias': None})
   """

@@ -3,6 +3,10 @@
 A page holding the line ``{cola-api-reference}`` gets, in its place, one section per group of names (grouped by the
 module that defines them), each a summary table followed by the autodoc entries. A name added to ``__all__`` appears
 without editing the page; one from a module no group lists goes under "More".
+
+The summary tables are autosummary's, except that a row lists every argument of its entry, the optional ones in
+brackets (``c_cola_ud(learning_rate, *, friction, radius[, mask, ...])``): autosummary itself cuts a row's arguments
+to some 50 characters (``c_cola_ud(learning_rate, *, ...[, ...])``).
 """
 
 import importlib
@@ -10,6 +14,7 @@ import inspect
 import types
 
 MARKER = "{cola-api-reference}"
+SUMMARY_DIRECTIVE = "cola-autosummary"
 GROUPS = {  # section title -> the modules (prefixes of ``__module__``) whose public names it shows
   "The paper's methods": ("cola_jax.alias",),
   "Constrained Langevin transforms": ("cola_jax.transforms",),
@@ -55,8 +60,39 @@ def reference(package_name: str = "cola_jax") -> str:
   for title, names in grouped(package).items():
     table = "\n".join(f"   {package_name}.{n}" for n in names)
     entries = "\n".join(_entry(package_name, n, getattr(package, n)) for n in names)
-    parts.append(f"## {title}\n\n```{{eval-rst}}\n.. autosummary::\n\n{table}\n\n{entries}```\n")
+    parts.append(f"## {title}\n\n```{{eval-rst}}\n.. {SUMMARY_DIRECTIVE}::\n\n{table}\n\n{entries}```\n")
   return "\n".join(parts)
+
+
+def arguments(obj) -> str:
+  """``obj``'s arguments as a summary row shows them: every name, the optional ones in brackets; ``""`` for a module."""
+  from sphinx.ext.autosummary import mangle_signature
+
+  try:
+    signature = inspect.signature(obj)
+  except (TypeError, ValueError):  # a module, or an object without a signature
+    return ""
+  bare = signature.replace(
+    parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+    return_annotation=signature.empty,
+  )
+  return mangle_signature(str(bare), max_chars=1_000_000)
+
+
+def _summary_directive():
+  """autosummary, its rows with every argument (:func:`arguments`) rather than the first 50 characters' worth."""
+  from sphinx.ext.autosummary import Autosummary
+
+  class AutosummaryWithArguments(Autosummary):
+    def get_items(self, names):
+      rows = []
+      for display_name, signature, summary, real_name in super().get_items(names):
+        if signature:  # None: no signatures wanted; "": a module
+          signature = arguments(self.import_by_name(real_name, prefixes=[None])[1])
+        rows.append((display_name, signature, summary, real_name))
+      return rows
+
+  return AutosummaryWithArguments
 
 
 def _insert_reference(app, docname, source):
@@ -65,5 +101,7 @@ def _insert_reference(app, docname, source):
 
 
 def setup(app):
+  app.setup_extension("sphinx.ext.autosummary")
+  app.add_directive(SUMMARY_DIRECTIVE, _summary_directive())
   app.connect("source-read", _insert_reference)
   return {"parallel_read_safe": True, "parallel_write_safe": True}
