@@ -1,16 +1,35 @@
-"""Checks of hyperparameters at construction, with errors that name the argument.
+"""Checks of hyperparameters at construction, with errors that name the argument and the function called.
 
 A number known at construction must be a finite real scalar in its range.
 Schedules and traced values (``optax.inject_hyperparams``, ``jit``) cannot be
 checked then; the transforms read a schedule's rounding below zero as zero.
 """
 
+import contextlib
+import contextvars
 import math
 from typing import Any
 
 import jax.numpy as jnp
 
 from cola_jax._numerics import concrete_float
+
+_CALLED_AS: contextvars.ContextVar[str | None] = contextvars.ContextVar("cola_jax_called_as", default=None)
+
+
+@contextlib.contextmanager
+def called_as(name: str):
+  """Within, the factories name ``name`` in their errors: the function the user called (a preset)."""
+  token = _CALLED_AS.set(name)
+  try:
+    yield
+  finally:
+    _CALLED_AS.reset(token)
+
+
+def caller(default: str) -> str:
+  """The name errors give the function the user called: ``default``, or the preset's inside :func:`called_as`."""
+  return _CALLED_AS.get() or default
 
 
 def _known(owner: str, name: str, value: Any) -> float | None:

@@ -18,11 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from cola_jax._hyperparameters import check_nonnegative, check_positive
+from cola_jax._hyperparameters import called_as, caller, check_nonnegative, check_positive
 from cola_jax.constraints.base import Constraint
 from cola_jax.constraints.circle import Circle
 from cola_jax.constraints.orthogonal import Orthogonal
-from cola_jax.transforms import called_as, cola_od, cola_ud
+from cola_jax.transforms import cola_od, cola_ud
 
 MaskOrFn = Any | Callable[[Any], Any] | None
 RadiusSpec = float | Any | Callable[[Any], Any]
@@ -83,7 +83,7 @@ def _constraints_per_leaf(owner: str, mask: MaskOrFn, make: Callable[[Any, str],
   return constraints
 
 
-def circle_constraints(radius: RadiusSpec, *, mask: MaskOrFn = None, owner: str = "circle_constraints"):
+def circle_constraints(radius: RadiusSpec, *, mask: MaskOrFn = None):
   """The constraints of :func:`c_cola_od` and :func:`c_cola_ud`, as a callable.
 
   Returns a function ``params -> pytree`` with a :class:`~cola_jax.Circle` on
@@ -100,6 +100,7 @@ def circle_constraints(radius: RadiusSpec, *, mask: MaskOrFn = None, owner: str 
     Array([[ 0.1 , -0.02], [ 0.  ,  0.01]], dtype=float32)
   """
 
+  owner = caller("circle_constraints")
   if not callable(radius):  # numbers known now are checked now
     for path, r in jax.tree_util.tree_flatten_with_path(radius)[0]:
       check_positive(owner, f"radius{jax.tree_util.keystr(path)}", r)
@@ -120,7 +121,6 @@ def orthogonal_constraints(
   max_iterations: int = 20,
   projection: str = "quasi_newton",
   loop: str = "while",
-  owner: str = "orthogonal_constraints",
 ):
   """The constraints of :func:`o_cola_od` and :func:`o_cola_ud`, as a callable.
 
@@ -137,7 +137,7 @@ def orthogonal_constraints(
     Array([[1., 0.], [0., 1.], [0., 0.]], dtype=float32)
   """
   orthogonal = Orthogonal(tolerance=tolerance, max_iterations=max_iterations, projection=projection, loop=loop)
-  return _constraints_per_leaf(owner, mask, lambda *_: orthogonal)
+  return _constraints_per_leaf(caller("orthogonal_constraints"), mask, lambda *_: orthogonal)
 
 
 def c_cola_od(
@@ -179,7 +179,7 @@ def c_cola_od(
   with called_as("c_cola_od"):
     return cola_od(
       learning_rate,
-      constraints=circle_constraints(radius, mask=mask, owner="c_cola_od"),
+      constraints=circle_constraints(radius, mask=mask),
       temperature=temperature,
       key=key,
     )
@@ -235,7 +235,7 @@ def c_cola_ud(
     return cola_ud(
       learning_rate,
       friction=friction,
-      constraints=circle_constraints(radius, mask=mask, owner="c_cola_ud"),
+      constraints=circle_constraints(radius, mask=mask),
       temperature=temperature,
       key=key,
       splitting=splitting,
@@ -286,15 +286,10 @@ def o_cola_od(
     >>> bool(jnp.allclose(w.T @ w, jnp.eye(2), atol=1e-5))
     True
   """
-  constraints = orthogonal_constraints(
-    mask=mask,
-    tolerance=tolerance,
-    max_iterations=max_iterations,
-    projection=projection,
-    loop=loop,
-    owner="o_cola_od",
-  )
   with called_as("o_cola_od"):
+    constraints = orthogonal_constraints(
+      mask=mask, tolerance=tolerance, max_iterations=max_iterations, projection=projection, loop=loop
+    )
     return cola_od(learning_rate, constraints=constraints, temperature=temperature, key=key)
 
 
@@ -348,15 +343,10 @@ def o_cola_ud(
     >>> bool(jnp.allclose(w.T @ w, jnp.eye(2), atol=1e-5))
     True
   """
-  constraints = orthogonal_constraints(
-    mask=mask,
-    tolerance=tolerance,
-    max_iterations=max_iterations,
-    projection=projection,
-    loop=loop,
-    owner="o_cola_ud",
-  )
   with called_as("o_cola_ud"):
+    constraints = orthogonal_constraints(
+      mask=mask, tolerance=tolerance, max_iterations=max_iterations, projection=projection, loop=loop
+    )
     return cola_ud(
       learning_rate,
       friction=friction,

@@ -21,8 +21,6 @@ another stream, a compile time that does not grow with depth.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from typing import Any, NamedTuple
 
 import jax
@@ -30,7 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from cola_jax import _compiled, _shared_noise, langevin
-from cola_jax._hyperparameters import check_floating_dtype, check_nonnegative, check_positive
+from cola_jax._hyperparameters import caller, check_floating_dtype, check_nonnegative, check_positive
 from cola_jax._numerics import computed_after, concrete_float, explicit_sharding
 from cola_jax._tree import (
   NOT_PARAMS,
@@ -80,17 +78,6 @@ class UnderdampedState(NamedTuple):
 
 
 _SPLITTINGS = ("OBA", "BAOAB")
-_CALLED_AS: contextvars.ContextVar[str | None] = contextvars.ContextVar("cola_jax_called_as", default=None)
-
-
-@contextlib.contextmanager
-def called_as(name: str):
-  """Within, ``cola_od`` and ``cola_ud`` name ``name`` in their errors: the function the user called."""
-  token = _CALLED_AS.set(name)
-  try:
-    yield
-  finally:
-    _CALLED_AS.reset(token)
 
 
 def _check_hyperparameters(owner, learning_rate, temperature, key) -> bool:
@@ -319,7 +306,7 @@ def cola_od(
     Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of
     Neural Networks*, OPT2020 (Sec. 3, Appendix B).
   """
-  owner = _CALLED_AS.get() or "cola_od"
+  owner = caller("cola_od")
   noisy = _check_hyperparameters(owner, learning_rate, temperature, key)
 
   def init_fn(params):
@@ -420,7 +407,7 @@ def cola_ud(
     Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of
     Neural Networks*, OPT2020 (Sec. 3, Appendix B).
   """
-  owner = _CALLED_AS.get() or "cola_ud"
+  owner = caller("cola_ud")
   if callable(friction):
     raise TypeError(f"{owner}: friction must be a number, not a schedule.")
   check_nonnegative(owner, "friction", friction)

@@ -4,6 +4,7 @@ Each case gets what ``optax.sgd`` does with it (empty trees and zero-size
 leaves pass) or an error that names the argument and the leaf's path.
 """
 
+import inspect
 import re
 
 import jax
@@ -337,6 +338,20 @@ def test_errors_name_the_function_the_user_called(name, make):
     make(0.1).init({"name": "layer", "w": jnp.ones(2)})
   with pytest.raises(ValueError, match="^cola_od: learning_rate"):
     cola.cola_od(INF)
+
+
+def test_the_constraint_builders_name_the_preset_or_themselves():
+  """One mechanism names the caller: the presets' names reach their constraint builders, no argument carries them."""
+  with pytest.raises(ValueError, match=re.escape("c_cola_ud: radius['w'] must be positive")):
+    cola.c_cola_ud(0.1, friction=1.0, radius={"w": -1.0, "b": None})
+  with pytest.raises(ValueError, match=re.escape("circle_constraints: radius['w'] must be positive")):
+    cola.circle_constraints({"w": -1.0, "b": None})
+  with pytest.raises(TypeError, match="^orthogonal_constraints: mask must be booleans"):
+    cola.orthogonal_constraints(mask="w")
+  with pytest.raises(TypeError, match="^o_cola_od: mask must be booleans"):
+    cola.o_cola_od(0.1, mask="w")
+  for builder in (cola.circle_constraints, cola.orthogonal_constraints):
+    assert "owner" not in inspect.signature(builder).parameters
 
 
 @pytest.mark.parametrize("owner", ["c_cola_od", "c_cola_ud", "o_cola_od", "o_cola_ud"])
