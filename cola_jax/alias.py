@@ -150,8 +150,14 @@ def c_cola_od(
 ) -> optax.GradientTransformation:
   """c-CoLA-od: overdamped Langevin with ``|theta| <= radius`` per weight.
 
+  In optax's terms: at temperature 0, on free leaves, this is
+  ``optax.sgd(learning_rate)``; ``learning_rate`` is SGD's learning rate.
+  Parameters off their manifold are put on it by the first update (call
+  :func:`~cola_jax.project_params` to start there).
+
   Args:
-    learning_rate: the step size ``h > 0``, a number or an optax schedule.
+    learning_rate: the step size ``h > 0`` (SGD's learning rate), a number or
+      an optax schedule.
     radius: ``r > 0``: a number, a pytree prefix of the parameters with number
       or ``None`` leaves (``None``: that leaf is free), or a callable mapping
       the parameters to such a pytree.
@@ -198,12 +204,22 @@ def c_cola_ud(
 ) -> optax.GradientTransformation:
   """c-CoLA-ud: underdamped Langevin (OBA) with ``|theta| <= radius`` per weight.
 
+  In optax's terms: at temperature 0, on free leaves, this is
+  ``optax.sgd(h**2, momentum=exp(-friction * h))`` with ``h =
+  learning_rate``: ``learning_rate`` is the *square root* of SGD's, and
+  ``friction`` a rate, not a momentum coefficient. From SGD's settings:
+  ``h, gamma = cola.sgd_momentum_to_langevin(1e-3, 0.9)``, then
+  ``friction=gamma``. Parameters off their manifold are put on it by the
+  first update (call :func:`~cola_jax.project_params` to start there).
+
   The paper's Fashion-MNIST setting is ``c_cola_ud(0.3, friction=1.0,
   radius={'Dense_0': 0.05, 'Dense_1': 0.1})`` at temperature 0.
 
   Args:
-    learning_rate: the step size ``h > 0``, a number or an optax schedule.
-    friction: ``gamma >= 0``.
+    learning_rate: the step size ``h > 0`` (SGD-m's learning rate is ``h**2``),
+      a number or an optax schedule.
+    friction: the friction rate ``gamma >= 0`` (SGD-m's momentum is
+      ``exp(-gamma h)``; ``gamma = 0`` keeps all momentum).
     radius: ``r > 0``: a number, a pytree prefix of the parameters with number
       or ``None`` leaves (``None``: that leaf is free), or a callable mapping
       the parameters to such a pytree.
@@ -256,8 +272,14 @@ def o_cola_od(
 ) -> optax.GradientTransformation:
   """o-CoLA-od: overdamped Langevin with orthonormal weight matrices and kernels.
 
+  In optax's terms: at temperature 0, on free leaves, this is
+  ``optax.sgd(learning_rate)``; ``learning_rate`` is SGD's learning rate.
+  Parameters off their manifold are put on it by the first update (call
+  :func:`~cola_jax.project_params` to start there).
+
   Args:
-    learning_rate: the step size ``h > 0``, a number or an optax schedule.
+    learning_rate: the step size ``h > 0`` (SGD's learning rate), a number or
+      an optax schedule.
     mask: which leaves are constrained (pytree of bools or callable); default:
       every leaf with ``ndim >= 2``. A masked-in leaf with ``ndim < 2`` is an
       error naming its path.
@@ -309,9 +331,19 @@ def o_cola_ud(
 ) -> optax.GradientTransformation:
   """o-CoLA-ud: underdamped Langevin (OBA, RATTLE A step) with orthonormal weights.
 
+  In optax's terms: at temperature 0, on free leaves, this is
+  ``optax.sgd(h**2, momentum=exp(-friction * h))`` with ``h =
+  learning_rate``: ``learning_rate`` is the *square root* of SGD's, and
+  ``friction`` a rate, not a momentum coefficient. From SGD's settings:
+  ``h, gamma = cola.sgd_momentum_to_langevin(1e-3, 0.9)``, then
+  ``friction=gamma``. Parameters off their manifold are put on it by the
+  first update (call :func:`~cola_jax.project_params` to start there).
+
   Args:
-    learning_rate: the step size ``h > 0``, a number or an optax schedule.
-    friction: ``gamma >= 0``.
+    learning_rate: the step size ``h > 0`` (SGD-m's learning rate is ``h**2``),
+      a number or an optax schedule.
+    friction: the friction rate ``gamma >= 0`` (SGD-m's momentum is
+      ``exp(-gamma h)``; ``gamma = 0`` keeps all momentum).
     mask: which leaves are constrained (pytree of bools or callable); default:
       every leaf with ``ndim >= 2``. A masked-in leaf with ``ndim < 2`` is an
       error naming its path.

@@ -263,6 +263,11 @@ def cola_od(
 ) -> optax.GradientTransformationExtraArgs:
   r"""Constrained overdamped Langevin dynamics (CoLA-od).
 
+  In optax's terms: at temperature 0, on free leaves, this is
+  ``optax.sgd(learning_rate)``; ``learning_rate`` is SGD's learning rate.
+  Parameters off their manifold are put on it by the first update (call
+  :func:`~cola_jax.project_params` to start there).
+
   Each leaf takes an Euler-Maruyama step and is projected back onto the
   manifold of its constraint (slack variables included):
 
@@ -276,7 +281,8 @@ def cola_od(
   measure of the manifold.
 
   Args:
-    learning_rate: the step size ``h > 0``, a number or an optax schedule.
+    learning_rate: the step size ``h > 0`` (SGD's learning rate), a number or
+      an optax schedule.
     constraints: ``None`` (no constraint), a :class:`~cola_jax.Constraint` for
       every leaf, a pytree prefix of the parameters with ``Constraint`` or
       ``None`` leaves, or a callable mapping the parameters to such a pytree.
@@ -354,6 +360,14 @@ def cola_ud(
 ) -> optax.GradientTransformationExtraArgs:
   r"""Constrained underdamped Langevin dynamics (CoLA-ud), OBA or BAOAB splitting.
 
+  In optax's terms: at temperature 0, on free leaves, this is
+  ``optax.sgd(h**2, momentum=exp(-friction * h))`` with ``h =
+  learning_rate``: ``learning_rate`` is the *square root* of SGD's, and
+  ``friction`` a rate, not a momentum coefficient. From SGD's settings:
+  ``h, gamma = cola.sgd_momentum_to_langevin(1e-3, 0.9)``, then
+  ``friction=gamma``. Parameters off their manifold are put on it by the
+  first update (call :func:`~cola_jax.project_params` to start there).
+
   Positions ``q`` (with slack variables) and momenta ``p`` in the cotangent
   space of the manifold advance by
 
@@ -369,8 +383,10 @@ def cola_ud(
   :func:`~cola_jax.sgd_momentum_to_langevin`).
 
   Args:
-    learning_rate: the step size ``h > 0``, a number or an optax schedule.
-    friction: ``gamma >= 0``.
+    learning_rate: the step size ``h > 0`` (SGD-m's learning rate is ``h**2``),
+      a number or an optax schedule.
+    friction: the friction rate ``gamma >= 0`` (SGD-m's momentum is
+      ``exp(-gamma h)``; ``gamma = 0`` keeps all momentum).
     constraints: as for :func:`cola_od`.
     temperature: ``tau >= 0``, a number or an optax schedule. Exactly ``0``
       draws no noise at all.
