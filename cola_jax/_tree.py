@@ -52,6 +52,19 @@ def is_params_placeholder(params) -> bool:
   return isinstance(params, _placeholder_type())
 
 
+def is_function(spec) -> bool:
+  """Whether ``spec`` (constraints, a mask, radii) is a function of the parameters rather than a tree of them.
+
+  A pytree that is also callable (an Equinox module built with ``jax.tree.map``
+  over the model) is a tree: its leaves are the spec, it is not called.
+  """
+  return (
+    callable(spec)
+    and not isinstance(spec, Constraint)
+    and jax.tree_util.treedef_is_leaf(jax.tree.structure(spec))
+  )
+
+
 def _is_constraint_leaf(x) -> bool:
   return x is None or isinstance(x, Constraint)
 
@@ -76,7 +89,7 @@ class LeafLayout:
     self.compute = [p.astype(jnp.promote_types(p.dtype, jnp.float32)) for p in self.params]
 
   def _assign(self, spec, params) -> list[Constraint]:
-    if callable(spec) and not isinstance(spec, Constraint):
+    if is_function(spec):
       spec = spec(params)
     try:
       full = jax.tree.broadcast(spec, params, is_leaf=_is_constraint_leaf)

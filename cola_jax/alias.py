@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 from cola_jax._hyperparameters import called_as, caller, check_nonnegative, check_positive
-from cola_jax.constraints.base import Constraint
+from cola_jax._tree import is_function
 from cola_jax.constraints.circle import Circle
 from cola_jax.constraints.orthogonal import Orthogonal
 from cola_jax.transforms import cola_od, cola_ud
@@ -49,7 +49,7 @@ def _check_mask(owner: str, mask, where: str = "mask") -> None:
 
 def _per_leaf(spec, params, what: str, owner: str):
   """A prefix pytree (or a callable giving one) broadcast to the parameters."""
-  if callable(spec):
+  if is_function(spec):
     spec = spec(params)
   try:
     return jax.tree.broadcast(spec, params, is_leaf=lambda x: x is None)
@@ -64,11 +64,11 @@ def _constraints_per_leaf(owner: str, mask: MaskOrFn, make: Callable[[Any, str],
   entry of ``spec`` (a prefix pytree or a callable) is not None; else None.
   """
 
-  if mask is not None and (isinstance(mask, Constraint) or not callable(mask)):
+  if mask is not None and not is_function(mask):
     _check_mask(owner, mask)
 
   def constraints(params):
-    if callable(mask) and not isinstance(mask, Constraint):
+    if is_function(mask):
       _check_mask(owner, mask(params), "mask(params)")
     masks = _per_leaf(_default_mask if mask is None else mask, params, "mask", owner)
     specs = _per_leaf(spec, params, "radius", owner)
@@ -101,7 +101,7 @@ def circle_constraints(radius: RadiusSpec, *, mask: MaskOrFn = None):
   """
 
   owner = caller("circle_constraints")
-  if not callable(radius):  # numbers known now are checked now
+  if not is_function(radius):  # numbers known now are checked now
     for path, r in jax.tree_util.tree_flatten_with_path(radius)[0]:
       check_positive(owner, f"radius{jax.tree_util.keystr(path)}", r)
 

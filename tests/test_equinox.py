@@ -60,3 +60,22 @@ def test_mlp_trains_on_the_manifolds_chosen_by_equinox_paths():
   residuals = cola.constraint_residuals(params, state)
   assert residuals.layers[2].weight is None  # the last layer's weight is free
   assert max(float(r) for r in jax.tree.leaves(residuals)) <= 1e-6
+
+
+def test_a_mask_or_radius_tree_built_over_an_equinox_model_is_read_as_a_tree():
+  """Such a tree is an Equinox module, hence callable: it used to be called with the parameters as a function."""
+  model = eqx.nn.MLP(4, 2, 8, 2, key=jax.random.key(3))
+  params, _ = eqx.partition(model, eqx.is_array)
+  mask = jax.tree.map(lambda x: x.ndim == 2, params)
+  assert callable(mask)
+  radius = jax.tree.map(lambda x: 0.05 if x.ndim == 2 else None, params)
+  for tx in (
+    cola.o_cola_od(0.1, mask=mask),
+    cola.c_cola_od(0.1, radius=radius),
+    cola.c_cola_od(0.1, radius=0.05, mask=mask),
+  ):
+    state = tx.init(params)
+    updates, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+    residuals = cola.constraint_residuals(eqx.apply_updates(params, updates), state)
+    assert [(layer.weight is None, layer.bias is None) for layer in residuals.layers] == [(False, True)] * 3
+    assert max(float(r) for r in jax.tree.leaves(residuals)) <= 1e-6
