@@ -5,7 +5,7 @@ skip LLVM's optimisation of the generated code (``XLA_FLAGS``
 ``--xla_backend_optimization_level=0``, unless ``XLA_FLAGS`` sets a level):
 the compile-bound tests of the transforms, properties, axes and Implicit ran
 in 135 s instead of 217 s on 2 cores, the long-running statistical ones
-slower (test_splitting and Sphere's uniform law: 72 s instead of 41 s). XLA's
+slower (test_splitting and MaxNorm's uniform law: 72 s instead of 41 s). XLA's
 own optimisations of the program (fusion, layouts, algebraic simplification)
 are unchanged. Set here, before anything imports JAX, so that
 pytest's workers, notebook kernels and subprocesses inherit it.

@@ -50,7 +50,7 @@ FAMILIES = {
   "Circle(0.2)": cola.Circle(0.2),
   "Box(-0.2, 0.2)": cola.Box(-0.2, 0.2),
   "NonNegative()": cola.NonNegative(),
-  "Sphere(1, axis=-2)": cola.Sphere(1.0, axis=-2),
+  "Sphere(1, axis=-2)": cola.MaxNorm(1.0, axis=-2),  # the key of the committed results, from before the rename
   "UnitNorm(1, axis=-2)": cola.UnitNorm(1.0, axis=-2),
   "Implicit(sum(w_j^2) <= 1, axis=-2)": cola.Implicit(inequality=unit_ball, axis=-2),
   "Orthogonal(rows 1, columns 2)": cola.Orthogonal(row_axes=1, column_axes=2),

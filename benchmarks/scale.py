@@ -12,7 +12,8 @@ and norms are free. Constraint families, each with CoLA-od and CoLA-ud, at
 temperature 0 and ``--temperature``:
 
 * ``circle`` ``Circle(0.2)`` and ``box`` ``Box(-0.2, 0.2)``: elementwise;
-* ``sphere`` ``Sphere(1)`` and ``unit_norm`` ``UnitNorm(1)``: per output unit;
+* ``sphere`` ``MaxNorm(1)`` (the ball; the family keeps the name it had as ``Sphere``) and
+  ``unit_norm`` ``UnitNorm(1)`` (the sphere): per output unit;
 * ``orthogonal`` ``Orthogonal()``: orthonormal columns or rows of each kernel;
 * ``implicit``: ``Implicit`` per output unit, entries summing to 0 with norm 1;
 * ``non_negative`` ``NonNegative()``: elementwise.
@@ -105,7 +106,7 @@ def family_constraint(family: str, scan: bool):
   return {
     "circle": lambda: cola.Circle(0.2),
     "box": lambda: cola.Box(-0.2, 0.2),
-    "sphere": lambda: cola.Sphere(1.0, axis=unit),
+    "sphere": lambda: cola.MaxNorm(1.0, axis=unit),
     "unit_norm": lambda: cola.UnitNorm(1.0, axis=unit),
     "orthogonal": lambda: cola.Orthogonal(row_axes=1, column_axes=2) if scan else cola.Orthogonal(),
     "implicit": lambda: cola.Implicit(equality=zero_sum_unit_norm, axis=unit if scan else 0),

@@ -16,9 +16,9 @@ SGD-momentum they reduce to without constraints and noise,
 general constraint (``i_cola_od``, ``i_cola_ud``) puts every kernel under
 ``cola.Implicit(equality=..., axis=0)`` with two components per column (its
 entries sum to zero, its norm is 1, about the norm of the initial columns);
-its baseline is the same method with ``cola.Sphere(1.0)`` on the same kernels
+its baseline is the same method with ``cola.MaxNorm(1.0)`` on the same kernels
 (the closed-form per-unit geometry, at the same temperature and key), so its
-ratio is Implicit's time over Sphere's. The reported ratio is the median time of the
+ratio is Implicit's time over MaxNorm's. The reported ratio is the median time of the
 method over the median time of its baseline, both over the same interleaved
 repetitions after warm-up. Also reported: the optimizer state size in bytes.
 
@@ -35,7 +35,7 @@ Usage::
   OPENBLAS_NUM_THREADS=1 python benchmarks/step_overhead.py --smoke    # seconds
   python benchmarks/step_overhead.py --skip-heavy   # no o-CoLA on mlp784
   python benchmarks/step_overhead.py --models mlp784 --methods i_cola_od i_cola_ud \
-      --repetitions 30                              # per-unit Implicit / Sphere only
+      --repetitions 30                              # per-unit Implicit / MaxNorm only
 
 Writes ``step_overhead.json`` (after every measurement, so that an
 interrupted run keeps what it measured; ``config.complete`` says whether it
@@ -197,12 +197,12 @@ def make_pair(method: str, model: Model, args, temperature: float):
   noise = {} if temperature == 0 else {"temperature": temperature, "key": jax.random.key(7)}
   if method in ("i_cola_od", "i_cola_ud"):
     # Norm 1: the first update projects the initial columns (norm about 1) from
-    # nearby, as Sphere(1.0) leaves them in place.
+    # nearby, as MaxNorm(1.0) leaves them in place.
     implicit = {
       layer: {"kernel": cola.Implicit(equality=zero_sum_fixed_norm(1.0), axis=0), "bias": None}
       for layer in model.radius
     }
-    sphere = {layer: {"kernel": cola.Sphere(1.0), "bias": None} for layer in model.radius}
+    sphere = {layer: {"kernel": cola.MaxNorm(1.0), "bias": None} for layer in model.radius}
     # A key each: the timed calls donate their state, the key included.
     fresh = lambda: {k: jax.random.key(7) if k == "key" else v for k, v in noise.items()}
     if method == "i_cola_od":
@@ -216,7 +216,7 @@ def make_pair(method: str, model: Model, args, temperature: float):
     return (
       make(implicit),
       make(sphere),
-      f"{method[2:]} Sphere, tau={temperature:g}",
+      f"{method[2:]} MaxNorm, tau={temperature:g}",
       {**hyper, "constraint": "Implicit(zero sum, norm r; axis=0)"},
     )
   if method == "c_cola_od":
@@ -443,7 +443,7 @@ def plot(results, path):
     ax.set_ylabel("time / baseline time (median)")
     ax.set_title(model)
     ax.legend(fontsize=8)
-  fig.suptitle("CoLA step overhead vs SGD (od) / SGD-momentum (ud); i_cola_*: vs Sphere")
+  fig.suptitle("CoLA step overhead vs SGD (od) / SGD-momentum (ud); i_cola_*: vs MaxNorm")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)

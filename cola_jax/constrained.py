@@ -112,7 +112,7 @@ def constrained(
     :class:`~cola_jax.NonNegative`: one number per weight, the gradient's
     component along the unit tangent of the weight's circle or parabola
     (``dV/dtheta * xi / r`` on a circle: it vanishes at the bounds).
-  * :class:`~cola_jax.Sphere`: the coordinates of the tangent vector in the
+  * :class:`~cola_jax.MaxNorm`: the coordinates of the tangent vector in the
     frame rotated from the pole (an isometry: ``|u| = |Pi grad|``).
 
   The ``params`` that ``inner`` gets (AdamW's weight decay, for instance) are
@@ -127,14 +127,14 @@ def constrained(
   which is how embedded manifolds transport vectors (projection), applied to
   the update rather than to the first moment, so that any ``inner`` works
   without knowing which of its state is a first moment. The frame coordinates
-  of circles, parabolas and spheres follow the point, and the projection
+  of circles, parabolas and MaxNorm's slack spheres follow the point, and the projection
   keeps the ambient ones tangent.
 
   Retraction. ``"polar"`` (default): every leaf moves by its constraint's
   :meth:`~cola_jax.Constraint.retract` along ``Pi u``, which exists for
   every finite step: the polar factor of ``Q + Pi u`` (the nearest
   orthonormal matrix) for ``Orthogonal``, the exact geodesic flow for unit
-  time (circle, box, sphere), the radial projection (unit norm), the nearest
+  time (circle, box, MaxNorm), the radial projection (unit norm), the nearest
   point of the parabola (non-negative), SHAKE and, where SHAKE has no
   solution, Newton's projection from the moved point (implicit; a unit that
   neither reaches stays where it was, flagged). ``"projection"``: the leaves

@@ -122,7 +122,7 @@ def with_constraint(initializer: Callable[..., Any], constraint: Constraint) -> 
   if not isinstance(constraint, Constraint):
     raise TypeError(
       f"with_constraint: constraint must be a cola_jax Constraint (Circle, "
-      f"Orthogonal, Sphere, ...), got {constraint!r}."
+      f"Orthogonal, MaxNorm, ...), got {constraint!r}."
     )
   flax_metadata = _flax_metadata("with_constraint")
 

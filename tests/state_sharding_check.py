@@ -45,7 +45,7 @@ TRANSFORMS = {
   "o_cola_ud": lambda: cola.o_cola_ud(0.1, friction=1.0, temperature=1e-4, key=KEY),
   "constrained_adam_orthogonal": lambda: cola.constrained(optax.adam(1e-2), constraints=cola.orthogonal_constraints()),
   "constrained_adamw_sphere": lambda: cola.constrained(
-    optax.adamw(1e-2), constraints=cola.path_constraints([(r"/w$", cola.Sphere(1.0))])
+    optax.adamw(1e-2), constraints=cola.path_constraints([(r"/w$", cola.MaxNorm(1.0))])
   ),
 }
 

@@ -336,8 +336,8 @@ def test_per_unit_trajectory_equals_dense(method, h, temperature):
 
 
 @pytest.mark.parametrize("method, h, steps, atol", [("od", 0.01, 200, 5e-6), ("ud", 0.02, 100, 1e-4)])
-def test_per_unit_ball_agrees_with_sphere(method, h, steps, atol):
-  """Sphere(0.5) and the per-unit slack form of the same ball (as in test_implicit.py).
+def test_per_unit_ball_agrees_with_max_norm(method, h, steps, atol):
+  """MaxNorm(0.5) and the per-unit slack form of the same ball (as in test_implicit.py).
 
   The potential's minimum lies inside the ball: pressed on its boundary, where
   the slacks vanish, SHAKE's projection and the radial one part at O(h) per step.
@@ -345,7 +345,7 @@ def test_per_unit_ball_agrees_with_sphere(method, h, steps, atol):
   start = jnp.linspace(-0.4, 0.35, 12).reshape(3, 4)
   implicit = cola.Implicit(inequality=_unit_ball, axis=0)
   force = lambda w: 3.0 * (w - 0.2) + jnp.sin(5.0 * w)
-  p_closed, _ = _run(_make(method, h, cola.Sphere(0.5)), start, steps, force)
+  p_closed, _ = _run(_make(method, h, cola.MaxNorm(0.5)), start, steps, force)
   p_implicit, state = _run(_make(method, h, implicit), start, steps, force)
   error = float(jnp.max(jnp.abs(p_implicit - p_closed)))
   print(f"\n{method}: moved {float(jnp.max(jnp.abs(p_closed - start))):.2f}, max |implicit - sphere| = {error:.1e}")

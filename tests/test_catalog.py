@@ -114,6 +114,30 @@ def test_unit_norm_hyperparameters_and_axes_are_checked():
   )
 
 
+def test_unit_norm_axis_all_is_the_frobenius_sphere():
+  """``axis="all"``: the whole leaf is one unit, ``|W|_F = r``, through noisy steps with a force."""
+  c = cola.UnitNorm(2.0, axis="all")
+  assert c.axis == "all" and c == cola.UnitNorm(2.0, axis="all") and hash(c) == hash(cola.UnitNorm(2.0, axis="all"))
+  with pytest.raises(ValueError, match=r"UnitNorm: axis must be None, an int or a tuple of ints, or 'all', got 'rows'"):
+    cola.UnitNorm(axis="rows")
+  with pytest.raises(ValueError, match=r"leaf at \['b'\].*1 entry"):  # a one-entry leaf has no sphere to move on
+    cola.cola_od(0.1, constraints={"w": None, "b": c}).init({"w": jnp.ones(3), "b": jnp.ones(1)})
+  w = jax.random.normal(jax.random.key(4), (3, 4))
+  near = c.nearest(w)
+  np.testing.assert_allclose(near, 2.0 * w / jnp.linalg.norm(w), rtol=2e-6)
+  np.testing.assert_allclose(near, cola.UnitNorm(2.0, axis=(0, 1)).nearest(w), rtol=1e-6)
+  assert c.init(w).axes == (0, 1)
+  tx = cola.cola_ud(0.1, friction=1.0, constraints={"w": c}, temperature=0.05, key=jax.random.key(5))
+  params = {"w": w}
+  state = tx.init(params)
+  step = jax.jit(lambda p, s: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update({"w": p["w"] - 1.0}, s, p)))
+  for _ in range(50):
+    params, state = step(params, state)
+  assert float(jnp.linalg.norm(params["w"])) == pytest.approx(2.0, rel=1e-5)  # the (3, 4) matrix at norm 2
+  assert float(cola.constraint_residuals(params, state)["w"]) < 1e-5
+  assert float(jnp.max(jnp.abs(params["w"] - near))) > 0.1  # it moved on the sphere
+
+
 def test_nearest_points():
   w = jnp.array([-1.0, -0.2, 0.0, 0.3, 0.9, 2.0])
   np.testing.assert_array_equal(cola.Box(-0.1, 0.5).nearest(w), jnp.clip(w, -0.1, 0.5))
@@ -579,7 +603,7 @@ def test_unit_norm_without_force_is_uniform_on_each_sphere(method, n, size):
   assert abs(z[worst]) < Z_ACCEPT
   for i in range(n):
     assert _ks(x[i], _beta_cdf(n), f"x{i} vs Beta({n - 1}/2, {n - 1}/2)").pvalue > ACCEPT
-  # Power: the law one dimension up (Sphere's slack sphere S^n) is rejected,
+  # Power: the law one dimension up (MaxNorm's slack sphere S^n) is rejected,
   # and so is a chain stopped early (t = 0.1 od, 0.25 ud), still near the pole.
   assert _ks(x[0], _beta_cdf(n + 1), "x0 vs the law on S^n (wrong)").pvalue < REJECT
   early, _ = _samples(method, cola.UnitNorm(r), start, 10 if method == "od" else 5, h, 0.25, seed=40 + n)

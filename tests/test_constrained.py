@@ -85,7 +85,7 @@ CATALOG = {
   "circle": cola.Circle(0.3),
   "box": cola.Box(-0.1, 0.4),
   "non_negative": cola.NonNegative(),
-  "sphere": cola.Sphere(0.5),
+  "sphere": cola.MaxNorm(0.5),
   "unit_norm": cola.UnitNorm(),
   "implicit": cola.Implicit(inequality=lambda w: jnp.sum(w * w) / 0.25 - 1, axis=0),
   "free": None,
@@ -145,7 +145,7 @@ def test_large_adam_steps_stay_finite_and_on_the_manifold():
 
 @pytest.mark.slow  # two compilations of a three-constraint model; jit alone is in every other test
 def test_vmap_over_seeds_is_the_loop():
-  spec = {"w": cola.Orthogonal(), "s": cola.Sphere(1.0), "b": None}
+  spec = {"w": cola.Orthogonal(), "s": cola.MaxNorm(1.0), "b": None}
   a = jax.random.normal(jax.random.key(5), (8, 8))
   loss = lambda p: jnp.sum(jnp.sin(a @ p["w"])) + jnp.sum(p["s"] ** 3) + jnp.sum(p["b"] ** 2)
   tx = cola.constrained(optax.adam(0.05), constraints=spec)

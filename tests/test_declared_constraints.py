@@ -28,7 +28,7 @@ STEPS = 6
 LECUN = nn.initializers.lecun_normal()
 ORTHOGONAL = cola.Orthogonal()
 CIRCLE = cola.Circle(0.3)
-SPHERE = cola.Sphere(0.5)
+SPHERE = cola.MaxNorm(0.5)
 
 
 def data():
@@ -344,7 +344,7 @@ def test_path_rules_select_linen_leaves_boxed_or_not():
   np.testing.assert_allclose(kernel.T @ kernel, np.eye(4), atol=1e-6)
   states = cola_tx(rules).init(params).constraint_states
   assert isinstance(states["block_0"]["proj"]["kernel"], cola.CircleState)
-  assert isinstance(states["block_1"]["mix"]["bias"], cola.SphereState) and states["head"]["bias"] is None
+  assert isinstance(states["block_1"]["mix"]["bias"], cola.MaxNormState) and states["head"]["bias"] is None
 
 
 def test_path_rules_select_nnx_leaves_by_list_index():

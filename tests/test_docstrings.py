@@ -91,5 +91,5 @@ def test_the_api_summary_rows_show_every_argument():
   assert api_reference.arguments(cola_jax.c_cola_ud) == (
     "(learning_rate, *, friction, radius[, mask, temperature, key, splitting, momentum_dtype])"
   )
-  assert api_reference.arguments(cola_jax.Sphere) == "(radius[, axis])"
+  assert api_reference.arguments(cola_jax.MaxNorm) == "(radius[, axis])"
   assert api_reference.arguments(cola_jax.langevin) == ""

@@ -98,7 +98,7 @@ class Case:
 
 
 R = 1.5
-# Columns (the units of Sphere and UnitNorm): on the bound, on the bound the other way, zero, one with a
+# Columns (the units of MaxNorm and UnitNorm): on the bound, on the bound the other way, zero, one with a
 # subnormal entry.
 UNITS = np.array([[R, 0.0, 0.0, R], [0.0, 0.0, 0.0, 1e-40], [0.0, -R, 0.0, 0.0]])
 CASES = {
@@ -118,7 +118,9 @@ CASES = {
     extra=(("centre", np.full((2, 3), 0.75)),),
   ),
   # The origin, the antipodal pole; zeros start at the pole.
-  "sphere": Case(cola.Sphere(R), (3, 4), UNITS, (("zeros", 0.0), ("zeros", -R)), moving=("bound", "zeros, slack -1.5")),
+  "sphere": Case(
+    cola.MaxNorm(R), (3, 4), UNITS, (("zeros", 0.0), ("zeros", -R)), moving=("bound", "zeros, slack -1.5")
+  ),
   "unit_norm": Case(cola.UnitNorm(R), (3, 4), UNITS, moving=("bound",)),
   "unit_norm_axis0": Case(cola.UnitNorm(1.0, axis=0), (2,), np.array([1.0, 0.0]), moving=("bound",)),
   "unit_norm_axis01": Case(
@@ -149,13 +151,13 @@ CASES = {
 # More shapes, solvers and loops, in the slow variant only.
 SLOW_CASES = {
   "sphere_vector": Case(
-    cola.Sphere(0.5, axis=0),
+    cola.MaxNorm(0.5, axis=0),
     (3,),
     np.array([0.0, 0.5, 0.0]),
     (("zeros", -0.5),),
     moving=("zeros", "bound", "zeros, slack -0.5"),
   ),
-  "sphere_conv": Case(cola.Sphere(1.0), (2, 2, 1, 2), _eye((2, 2, 1, 2))),
+  "sphere_conv": Case(cola.MaxNorm(1.0), (2, 2, 1, 2), _eye((2, 2, 1, 2))),
   "unit_norm_conv": Case(cola.UnitNorm(3.0), (2, 2, 1, 2), 3 * _eye((2, 2, 1, 2))),
   "unit_norm_vector_default_axis": Case(cola.UnitNorm(2.0), (3, 2), np.array([[2.0, 0.0], [0.0, 0.0], [0.0, 0.0]])),
   "orthogonal_square": Case(cola.Orthogonal(), (3, 3), _eye((3, 3))),

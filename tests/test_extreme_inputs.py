@@ -33,7 +33,7 @@ ORTHONORMAL = np.linalg.qr(np.random.default_rng(0).normal(size=(6, 4)))[0].asty
 # name -> (constraint, a starting parameter on its manifold)
 CONSTRAINTS = {
   "circle": (cola.Circle(0.5), 0.2 * ORTHONORMAL),
-  "sphere": (cola.Sphere(1.5), 0.5 * ORTHONORMAL),
+  "sphere": (cola.MaxNorm(1.5), 0.5 * ORTHONORMAL),
   "orthogonal": (cola.Orthogonal(), ORTHONORMAL),
   "implicit": (cola.Implicit(equality=_unit_norm), ORTHONORMAL),
 }
@@ -267,7 +267,7 @@ def test_circle_overdamped_huge_step_lands_on_the_side_it_points_to(step):
 @pytest.mark.parametrize("size", [1e7, 1e8, 1e20, 1e30])
 def test_underdamped_large_angles_keep_the_radius(name, size):
   # h = 0.3, r = 0.05: rotation angles of 6e7 to 6e30 radians.
-  constraint = cola.Circle(0.05) if name == "circle" else cola.Sphere(0.05)
+  constraint = cola.Circle(0.05) if name == "circle" else cola.MaxNorm(0.05)
   param = np.full((3, 2), 0.01, np.float32)
   grad = np.full_like(param, size)
   grad[0] = -size

@@ -148,7 +148,7 @@ def _cotangents(theta, w, q, v_circle, v_sphere, v_orthogonal):
     implicit.cotangent(implicit.point(theta, implicit.init(theta)), v_circle),
     jnp.concatenate([coordinate * xi / r, -coordinate * th / r]),
   )
-  implicit, sphere = sphere_implicit(r), cola.Sphere(r)
+  implicit, sphere = sphere_implicit(r), cola.MaxNorm(r)
   point = sphere.point(w, sphere.init(w))
   u = sphere.cotangent(point, (v_sphere[:15].reshape(3, 5), v_sphere[15:].reshape(1, 5)))
   p_w, p_xi = sphere.momentum_vector(point, u)
@@ -303,7 +303,7 @@ def test_off_manifold_start_matches_the_closed_forms():
   theta = jnp.linspace(-0.8, 0.7, 7)
   np.testing.assert_allclose(circle_implicit(r).nearest(theta), cola.Circle(r).nearest(theta), atol=1e-6)
   w = jax.random.normal(jax.random.key(12), (3, 5))
-  np.testing.assert_allclose(sphere_implicit(r).nearest(w), cola.Sphere(r).nearest(w), atol=1e-6)
+  np.testing.assert_allclose(sphere_implicit(r).nearest(w), cola.MaxNorm(r).nearest(w), atol=1e-6)
   q = 0.3 * jax.random.normal(jax.random.key(13), (8, 3))  # Q (I + Lambda) holds the polar factor
   np.testing.assert_allclose(orthogonal_implicit().nearest(q), cola.Orthogonal().nearest(q), atol=2e-6)
 
@@ -321,12 +321,12 @@ def _run(tx, params, steps):
   return jax.jit(lambda p: jax.lax.scan(body, (p, tx.init(p)), None, length=steps)[0])(params)
 
 
-CLOSED_FORMS = {"circle": cola.Circle(0.5), "sphere": cola.Sphere(0.5), "orthogonal": cola.Orthogonal()}
+CLOSED_FORMS = {"circle": cola.Circle(0.5), "sphere": cola.MaxNorm(0.5), "orthogonal": cola.Orthogonal()}
 IMPLICIT_FORMS = {"circle": circle_implicit(0.5), "sphere": sphere_implicit(0.5), "orthogonal": orthogonal_implicit()}
 START = {
   "circle": jnp.linspace(-0.7, 0.45, 7),  # one weight starts outside [-r, r]
   # Inside the ball: a slack that starts at exactly 0 (Implicit) or at a
-  # rounding error (Sphere) stays on the unstable equator, or leaves it, without noise.
+  # rounding error (MaxNorm) stays on the unstable equator, or leaves it, without noise.
   "sphere": jnp.linspace(-0.4, 0.35, 12).reshape(3, 4),
   "orthogonal": 0.5 * jax.random.normal(jax.random.key(14), (6, 3)),  # not orthonormal
 }

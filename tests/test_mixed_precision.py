@@ -25,7 +25,7 @@ SLACK_ENTRIES = {
   "Circle": WEIGHTS,  # one per weight
   "Box": WEIGHTS,
   "NonNegative": WEIGHTS,
-  "Sphere": OUT,  # one per unit (column)
+  "MaxNorm": OUT,  # one per unit (column)
   "Implicit": OUT,  # one per unit and inequality
   "UnitNorm": 0,
   "Orthogonal": 0,
@@ -40,7 +40,7 @@ FAMILIES = {
   "Circle": cola.Circle(0.2),
   "Box": cola.Box(-0.3, 0.3),
   "NonNegative": cola.NonNegative(),
-  "Sphere": cola.Sphere(1.0),
+  "MaxNorm": cola.MaxNorm(1.0),
   "Implicit": cola.Implicit(inequality=unit_ball, axis=0),
   "UnitNorm": cola.UnitNorm(1.0),
   "Orthogonal": cola.Orthogonal(),

@@ -113,7 +113,7 @@ CATALOG = {
   ),
   "box": Problem(cola.Box(-1.0, 0.5), np.array([0.0, 0.2, -0.5]), _VECTOR, np.clip(_VECTOR, -1.0, 0.5)),
   "nonnegative": Problem(cola.NonNegative(), np.ones(3), _VECTOR, np.maximum(_VECTOR, 0.0)),
-  "sphere": Problem(cola.Sphere(1.0), np.full((3, 2), 0.3), _MATRIX, _into_unit_balls(_MATRIX)),
+  "sphere": Problem(cola.MaxNorm(1.0), np.full((3, 2), 0.3), _MATRIX, _into_unit_balls(_MATRIX)),
   "unitnorm": Problem(cola.UnitNorm(1.0), np.ones((3, 2)), _MATRIX, _MATRIX / np.linalg.norm(_MATRIX, axis=0)),
   "orthogonal": Problem(cola.Orthogonal(), np.eye(3, 2), _MATRIX, _polar(_MATRIX)),
   "implicit": Problem(PLANE_BALL, np.array([0.5, 0.5, 0.0]), _TARGET, _nearest_in_plane_ball(_TARGET)),
@@ -792,7 +792,7 @@ SCALAR_SETS = {
   "circle": cola.Circle(RADIUS),
   "box": cola.Box(-1.0, 0.5),
   "nonnegative": cola.NonNegative(),
-  "sphere": cola.Sphere(1.0),  # 0-d: one unit of one entry (the circle)
+  "sphere": cola.MaxNorm(1.0),  # 0-d: one unit of one entry (the circle)
   "implicit": SCALAR_IMPLICIT,
 }
 EDGE_COMBOS = [(n, c) for n in GENERAL for c in SCALAR_SETS] + [

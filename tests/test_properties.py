@@ -42,7 +42,7 @@ _IMPLICIT_UNIT_NORM_PER_COLUMN = cola.Implicit(equality=_unit_norm, axis=0)
 CONSTRAINTS = {
   "free": (lambda: None, lambda shape: True),
   "circle": (lambda: cola.Circle(0.5), lambda shape: True),
-  "sphere": (lambda: cola.Sphere(1.0), lambda shape: True),
+  "sphere": (lambda: cola.MaxNorm(1.0), lambda shape: True),
   "orthogonal": (lambda: cola.Orthogonal(), lambda shape: len(shape) >= 2),
   "implicit": (lambda: _IMPLICIT_UNIT_NORM, lambda shape: math.prod(shape) >= 2),
   "implicit_per_unit": (lambda: _IMPLICIT_UNIT_NORM_PER_COLUMN, lambda shape: len(shape) >= 1 and shape[0] >= 2),

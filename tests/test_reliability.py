@@ -146,7 +146,7 @@ START = np.linalg.qr(np.random.default_rng(0).normal(size=(80, 64)))[0].astype(n
 PLANTED = {
   "orthogonal": (cola.Orthogonal(), START),
   "circle": (cola.Circle(0.5), 0.2 * START),
-  "sphere": (cola.Sphere(1.5), 0.5 * START),
+  "sphere": (cola.MaxNorm(1.5), 0.5 * START),
   "box": (cola.Box(-0.3, 0.7), 0.2 * START),
   "non_negative": (cola.NonNegative(), np.abs(START)),
   "unit_norm": (cola.UnitNorm(1.0), START),

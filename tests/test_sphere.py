@@ -1,4 +1,4 @@
-r"""The sphere (max-norm) constraint ``|w_j|^2 + xi_j^2 = r^2`` per unit.
+r"""The max-norm constraint :class:`~cola_jax.MaxNorm` (formerly ``Sphere``): ``|w_j|^2 + xi_j^2 = r^2`` per unit.
 
 Geometry (frame, projections, the exact geodesic A step against float64
 numpy), equivalence with :class:`~cola_jax.Circle` when every unit has one
@@ -23,8 +23,10 @@ at ``tau n / r^2 = n`` per unit time; t = 10 (od) leaves ``exp(-10)``. ud:
 ``gamma = 1``, t = 20, as for the circle in ``test_invariant_measure.py``.
 """
 
+import inspect
 import math
 import os
+import warnings
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
@@ -46,7 +48,7 @@ Z_REJECT = 10.0
 
 
 def sphere_point(w, r, axis=None):
-  c = cola.Sphere(r, axis=axis)
+  c = cola.MaxNorm(r, axis=axis)
   return c, c.point(w, c.init(w))
 
 
@@ -61,31 +63,111 @@ def unit_dot(a, b, axes):
 def test_radius_must_be_positive():
   for bad in (0.0, -1.0):
     with pytest.raises(ValueError, match="radius must be positive"):
-      cola.Sphere(bad)
+      cola.MaxNorm(bad)
 
 
 def test_axis_out_of_range_names_the_leaf():
   params = {"layer": {"w": jnp.zeros((3, 4)), "b": jnp.zeros(4)}}
-  tx = cola.cola_od(0.1, constraints={"layer": {"w": cola.Sphere(1.0, axis=2), "b": None}})
+  tx = cola.cola_od(0.1, constraints={"layer": {"w": cola.MaxNorm(1.0, axis=2), "b": None}})
   with pytest.raises(ValueError, match=r"\['layer'\]\['w'\].*axis 2 is out of range"):
     tx.init(params)
-  tx = cola.cola_ud(0.1, friction=1.0, constraints=cola.Sphere(1.0, axis=(0, -3)))
+  tx = cola.cola_ud(0.1, friction=1.0, constraints=cola.MaxNorm(1.0, axis=(0, -3)))
   with pytest.raises(ValueError, match=r"\['layer'\]\['b'\].*out of range"):
     tx.init(params)
-  tx = cola.cola_od(0.1, constraints={"layer": {"w": cola.Sphere(1.0, axis=(0, -2)), "b": None}})
+  tx = cola.cola_od(0.1, constraints={"layer": {"w": cola.MaxNorm(1.0, axis=(0, -2)), "b": None}})
   with pytest.raises(ValueError, match=r"\['layer'\]\['w'\].*same axis twice"):
     tx.init(params)
 
 
 def test_axis_must_be_integers_without_repeats():
   with pytest.raises(ValueError, match="repeats"):
-    cola.Sphere(1.0, axis=(0, 0))
+    cola.MaxNorm(1.0, axis=(0, 0))
   with pytest.raises(TypeError, match="axis"):
-    cola.Sphere(1.0, axis=1.5)
+    cola.MaxNorm(1.0, axis=1.5)
   with pytest.raises(TypeError, match="axis"):
-    cola.Sphere(1.0, axis=True)
-  assert cola.Sphere(1.0, axis=[0, 1]) == cola.Sphere(1.0, axis=(0, 1))  # hashable
-  assert hash(cola.Sphere(1.0, axis=[0, 1])) == hash(cola.Sphere(1.0, axis=(0, 1)))
+    cola.MaxNorm(1.0, axis=True)
+  assert cola.MaxNorm(1.0, axis=[0, 1]) == cola.MaxNorm(1.0, axis=(0, 1))  # hashable
+  assert hash(cola.MaxNorm(1.0, axis=[0, 1])) == hash(cola.MaxNorm(1.0, axis=(0, 1)))
+
+
+# The former name ``Sphere``: deprecated, the same constraint.
+SPHERE_DEPRECATED = (
+  r"cola_jax\.Sphere is deprecated and will be removed in the next release: it is the max-norm ball "
+  r"\|w_j\| <= radius; use cola_jax\.MaxNorm \(for the sphere \|w_j\| = radius, use cola_jax\.UnitNorm\)"
+)
+
+
+def test_the_old_name_constructs_a_max_norm_with_a_deprecation_warning():
+  with pytest.warns(DeprecationWarning, match=SPHERE_DEPRECATED):
+    c = cola.Sphere(0.5, axis=[0])
+  assert type(c) is cola.MaxNorm and c == cola.MaxNorm(0.5, axis=0)
+  assert hash(c) == hash(cola.MaxNorm(0.5, axis=0))
+  with pytest.warns(DeprecationWarning, match=r"cola_jax\.SphereState is deprecated .*use cola_jax\.MaxNormState"):
+    assert cola.SphereState is cola.MaxNormState
+  with pytest.warns(DeprecationWarning, match=r"cola_jax\.constraints\.Sphere is deprecated .*MaxNorm"):
+    from cola_jax.constraints import Sphere
+  assert Sphere is cola.MaxNorm
+  assert not {"Sphere", "SphereState"} & {*cola.__all__, *cola.constraints.__all__}
+  with pytest.raises(AttributeError, match="has no attribute 'Spheres'"):
+    cola.Spheres  # noqa: B018 (other names are not found)
+
+
+def test_the_deprecation_warning_points_at_the_callers_line():
+  """Attributed to the line that names ``Sphere``, so that pyproject's filter on cola_jax's own
+  DeprecationWarnings (errors in the tests) does not turn a user's call into an error."""
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    warnings.filterwarnings("error", category=DeprecationWarning, module=r"cola_jax(\..*)?$")
+    line = inspect.currentframe().f_lineno + 1
+    c = cola.Sphere(1.0)  # a DeprecationWarning, not an error
+  assert c == cola.MaxNorm(1.0)
+  assert [(w.category, w.filename, w.lineno) for w in record] == [(DeprecationWarning, __file__, line)]
+
+
+# axis="all": the whole leaf is one unit, |W|_F <= r.
+
+
+def test_axis_all_is_one_unit_the_whole_leaf():
+  c = cola.MaxNorm(2.0, axis="all")
+  assert c.axis == "all" and c == cola.MaxNorm(2.0, axis="all") and hash(c) == hash(cola.MaxNorm(2.0, axis="all"))
+  for bad in ("rows", "ALL", ""):
+    with pytest.raises(ValueError, match=r"MaxNorm: axis must be None, an int or a tuple of ints, or 'all'"):
+      cola.MaxNorm(1.0, axis=bad)
+  with pytest.raises(TypeError, match="MaxNorm: axis"):
+    cola.MaxNorm(1.0, axis=("all",))
+  for shape in ((3, 4), (2, 2, 1, 3), (5,)):
+    w = 3.0 * jax.random.normal(jax.random.key(1), shape)
+    assert c.init(w).slack.shape == (1,) * len(shape)
+    every = cola.MaxNorm(2.0, axis=tuple(range(len(shape))))
+    np.testing.assert_allclose(c.nearest(w), every.nearest(w), rtol=1e-6)
+    assert float(jnp.linalg.norm(c.nearest(w))) == pytest.approx(2.0, rel=1e-6)
+
+
+@pytest.mark.parametrize("method", ["od", "ud"])
+def test_axis_all_holds_the_frobenius_ball_with_residuals(method):
+  """A matrix of norm 0.5 stays where it is, one of norm 3 is scaled to norm 1; noisy steps keep ``|W|_F <= 1``."""
+  c = cola.MaxNorm(1.0, axis="all")
+  w = jax.random.normal(jax.random.key(2), (3, 4))
+  w = w / jnp.linalg.norm(w)
+  zero = {"w": jnp.zeros_like(w)}
+  for norm, expected in ((0.5, 0.5), (3.0, 1.0)):
+    tx = cola.cola_od(0.1, constraints={"w": c}) if method == "od" else cola.cola_ud(0.1, friction=1.0, constraints=c)
+    params = {"w": norm * w}
+    state = tx.init(params)
+    updates, state = tx.update(zero, state, params)
+    params = optax.apply_updates(params, updates)
+    np.testing.assert_allclose(params["w"], expected * w, rtol=2e-6, atol=1e-7)
+    assert float(cola.constraint_residuals(params, state)["w"]) < 1e-6
+  noisy = {"od": cola.cola_od, "ud": lambda h, **k: cola.cola_ud(h, friction=1.0, **k)}[method]
+  tx = noisy(0.1, constraints=c, temperature=0.05, key=jax.random.key(3))
+  params = {"w": 3.0 * w}
+  state = tx.init(params)
+  step = jax.jit(lambda p, s: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update({"w": -p["w"]}, s, p)))
+  for _ in range(50):
+    params, state = step(params, state)
+  assert float(jnp.linalg.norm(params["w"])) <= 1.0
+  assert float(cola.constraint_residuals(params, state)["w"]) < 1e-5
+  assert float(jnp.linalg.norm(params["w"] - 3.0 * w)) > 0.1  # it moved
 
 
 @pytest.mark.parametrize(
@@ -103,7 +185,7 @@ def test_axis_must_be_integers_without_repeats():
 def test_init_puts_units_in_the_ball_with_one_slack_each(shape, axis, slack_shape):
   r = 1.0
   w = jax.random.normal(jax.random.key(0), shape)
-  c = cola.Sphere(r, axis=axis)
+  c = cola.MaxNorm(r, axis=axis)
   c.validate(w, "w")
   state = c.init(w)
   assert state.slack.shape == slack_shape
@@ -137,7 +219,7 @@ def _points_on_both_hemispheres(key, n, units, r):
 
 def test_frame_is_an_isometry_onto_the_cotangent_space():
   r, n, units = 0.7, 4, 64
-  c = cola.Sphere(r)
+  c = cola.MaxNorm(r)
   point = _points_on_both_hemispheres(jax.random.key(0), n, units, r)
   w, xi = (np.asarray(a, np.float64) for a in point)
   u = jax.random.normal(jax.random.key(1), (n, units))
@@ -154,7 +236,7 @@ def test_frame_is_an_isometry_onto_the_cotangent_space():
 
 def test_cotangent_is_the_orthogonal_projection():
   r, n, units = 0.7, 3, 64
-  c = cola.Sphere(r)
+  c = cola.MaxNorm(r)
   point = _points_on_both_hemispheres(jax.random.key(2), n, units, r)
   w, xi = (np.asarray(a, np.float64) for a in point)
   v = jax.random.normal(jax.random.key(3), (n + 1, units))
@@ -184,7 +266,7 @@ def _geodesic64(q, p, h, r):
 
 def test_a_step_is_the_exact_geodesic_flow():
   r, n, units, h = 0.5, 3, 64, 0.3
-  c = cola.Sphere(r)
+  c = cola.MaxNorm(r)
   point = _points_on_both_hemispheres(jax.random.key(5), n, units, r)
   scale = np.exp(np.linspace(np.log(1e-4), np.log(30.0), units)).astype(np.float32)
   u = jax.random.normal(jax.random.key(6), (n, units)) * scale
@@ -269,7 +351,7 @@ def test_one_weight_per_unit_is_the_circle(method, tau, shape, axis):
   else:
     make = lambda c: cola.cola_ud(0.2, friction=1.0, constraints=c, **kwargs)
   p_circle, s_circle = _run(make(cola.Circle(r)), w, 300)
-  p_sphere, s_sphere = _run(make(cola.Sphere(r, axis=axis)), w, 300)
+  p_sphere, s_sphere = _run(make(cola.MaxNorm(r, axis=axis)), w, 300)
   assert float(jnp.max(jnp.abs(p_circle - w))) > 0.1  # it moved
   np.testing.assert_allclose(p_sphere, p_circle, atol=2e-5)
   np.testing.assert_allclose(
@@ -286,7 +368,7 @@ def test_one_weight_per_unit_is_the_circle(method, tau, shape, axis):
 RADIUS = 1.0
 STEPS = 2_000
 KERNELS = ("conv", "tall", "wide", "square", "out")
-SPHERE_CONSTRAINTS = {k: {"kernel": cola.Sphere(RADIUS), "bias": None} for k in KERNELS}
+SPHERE_CONSTRAINTS = {k: {"kernel": cola.MaxNorm(RADIUS), "bias": None} for k in KERNELS}
 LONG_METHODS = {
   "od": cola.cola_od(0.05, constraints=SPHERE_CONSTRAINTS, temperature=1e-4, key=jax.random.key(0)),
   "ud": cola.cola_ud(0.3, friction=1.0, constraints=SPHERE_CONSTRAINTS, temperature=1e-4, key=jax.random.key(0)),
@@ -317,7 +399,7 @@ def test_constraints_hold_after_many_noisy_steps(method, cnn_problem):
   for layer in KERNELS:
     w = params[layer]["kernel"]
     aux = state.constraint_states[layer]["kernel"]
-    assert isinstance(aux, cola.SphereState)
+    assert isinstance(aux, cola.MaxNormState)
     w64 = np.asarray(w, np.float64).reshape(-1, w.shape[-1])
     xi64 = np.asarray(aux.slack, np.float64).reshape(-1)
     norms = np.linalg.norm(w64, axis=0)
@@ -422,7 +504,7 @@ def _free_samples(method, cfg, n, steps, seed):
   """(n + 1, units) coordinates (w_j, xi_j) / r after ``steps`` steps from w = 0."""
   unit_shape, axis = SHAPES[n]
   r = cfg["r"]
-  constraint = cola.Sphere(r, axis=axis)
+  constraint = cola.MaxNorm(r, axis=axis)
   key = jax.random.key(seed)
   if method == "od":
     tx = cola.cola_od(cfg["h"], constraints=constraint, temperature=cfg["tau"], key=key)

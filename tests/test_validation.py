@@ -56,7 +56,7 @@ def test_every_transform_refuses_a_bad_number_at_construction(owner, argument, v
 
 CONSTRAINT_CASES = [
   (lambda v: cola.Circle(v), "Circle: radius", [INF, NAN, 0.0, -1.0]),
-  (lambda v: cola.Sphere(v), "Sphere: radius", [INF, NAN, 0.0]),
+  (lambda v: cola.MaxNorm(v), "MaxNorm: radius", [INF, NAN, 0.0]),
   (lambda v: cola.Orthogonal(tolerance=v), "Orthogonal: tolerance", [INF, NAN, 0.0]),
   (lambda v: cola.Orthogonal(reproject_above=v), "Orthogonal: reproject_above", [INF, NAN, -1.0]),
   (lambda v: cola.Orthogonal(max_iterations=v), "Orthogonal: max_iterations", [INF, -INF, NAN, 0, 1.5]),
@@ -249,7 +249,7 @@ ZERO_SIZE_CONSTRAINTS = {
   "circle": cola.Circle(0.1),
   "orthogonal_tall": cola.Orthogonal(),
   "orthogonal_wide": cola.Orthogonal(),
-  "sphere": cola.Sphere(1.0),
+  "sphere": cola.MaxNorm(1.0),
   "kept": cola.Circle(0.1),
 }
 

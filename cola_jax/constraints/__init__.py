@@ -1,12 +1,15 @@
 """Constraint manifolds, one module each."""
 
+from typing import TYPE_CHECKING
+
 from cola_jax.constraints.base import Constraint, Euclidean
 from cola_jax.constraints.box import Box, BoxState
 from cola_jax.constraints.circle import Circle, CircleState
 from cola_jax.constraints.implicit import Implicit, ImplicitState
+from cola_jax.constraints.max_norm import MaxNorm, MaxNormState
+from cola_jax.constraints.max_norm import deprecated_name as _deprecated_name
 from cola_jax.constraints.non_negative import NonNegative, NonNegativeState
 from cola_jax.constraints.orthogonal import Orthogonal, ProjectionInfo
-from cola_jax.constraints.sphere import Sphere, SphereState
 from cola_jax.constraints.unit_norm import UnitNorm, UnitNormState
 
 __all__ = [
@@ -18,12 +21,21 @@ __all__ = [
   "Euclidean",
   "Implicit",
   "ImplicitState",
+  "MaxNorm",
+  "MaxNormState",
   "NonNegative",
   "NonNegativeState",
   "Orthogonal",
   "ProjectionInfo",
-  "Sphere",
-  "SphereState",
   "UnitNorm",
   "UnitNormState",
 ]
+
+if TYPE_CHECKING:  # the deprecated names, for type checkers: Sphere is MaxNorm
+  Sphere = MaxNorm
+  SphereState = MaxNormState
+else:
+
+  def __getattr__(name: str):
+    """``Sphere`` and ``SphereState``, deprecated: ``MaxNorm`` and ``MaxNormState``, with a DeprecationWarning."""
+    return _deprecated_name(__name__, name)

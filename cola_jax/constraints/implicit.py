@@ -56,7 +56,7 @@ cotangent space,
 
 It is symplectic, time reversible and second order (local error
 ``O(h^3)``); the closed forms (:class:`~cola_jax.Circle`,
-:class:`~cola_jax.Sphere`) flow along geodesics exactly.
+:class:`~cola_jax.MaxNorm`) flow along geodesics exactly.
 
 Failure is never silent. A projection that does not meet the tolerance within
 ``max_iterations`` (or whose iterates stop being finite, or whose new momentum
@@ -82,7 +82,7 @@ equalities: start inside the inequalities when both are given.
 Scope. ``G`` is a dense ``m x (n + k)`` matrix and the solves are ``m x m``:
 meant for a few constraint components per leaf (a norm, sums per unit, a
 small Gram matrix). Elementwise bounds on large leaves are what
-:class:`~cola_jax.Circle` and :class:`~cola_jax.Sphere` are for.
+:class:`~cola_jax.Circle` and :class:`~cola_jax.MaxNorm` are for.
 
 Per unit. With ``axis`` given, the leaf is a collection of units (the entries
 along ``axis`` for one index of the other axes, e.g. the columns of a Dense
@@ -396,7 +396,7 @@ class Implicit(Constraint):
       starts off the manifold always uses Newton.
     axis: ``None`` (default): the functions take the whole leaf. An int or a
       tuple of ints (negative values count from the end, as for
-      :class:`~cola_jax.Sphere` and Keras' constraints): the axes that form one
+      :class:`~cola_jax.MaxNorm` and Keras' constraints): the axes that form one
       unit; the functions take one unit (shaped by those axes, in the leaf's
       order) and apply to every unit (see "Per unit" in the module docstring).
       ``axis=0`` on a Dense kernel ``(in, out)`` constrains each column.

@@ -1,8 +1,9 @@
 r"""Unit-norm constraint: ``|w_j| = r`` exactly for every unit (Keras ``UnitNorm``).
 
 The incoming weights ``w_j in R^n`` of unit ``j`` (the entries along ``axis``,
-as in :class:`~cola_jax.Sphere`: by default every axis but the last, so a Dense
-kernel ``(in, out)`` has one unit per column) move on the sphere
+as in :class:`~cola_jax.MaxNorm`: by default every axis but the last, so a Dense
+kernel ``(in, out)`` has one unit per column; ``"all"``: the whole leaf, ``|W|_F = r``)
+move on the sphere
 
 .. math::
   g(w_j) = |w_j|^2 - r^2 = 0, \qquad S^{n-1} \subset \mathbb{R}^n,
@@ -21,9 +22,9 @@ A step. The exact geodesic (great-circle) flow: with ``phi = h |p| / r``,
   p(h) = \cos\phi\, p - \sin\phi\, |p|\, w / r,
 
 a rotation in the plane of ``w`` and ``p``. ``S^{n-1}`` is the equator
-``xi = 0`` of the sphere ``S^n`` of :class:`~cola_jax.Sphere`, and a great
+``xi = 0`` of the slack sphere ``S^n`` of :class:`~cola_jax.MaxNorm`, and a great
 circle through a point of the equator with a velocity along it stays on it, so
-the flow is :class:`~cola_jax.Sphere`'s A step at ``(w, 0)`` (whose momentum
+the flow is :class:`~cola_jax.MaxNorm`'s A step at ``(w, 0)`` (whose momentum
 frame is the identity there); its rounding in ``xi`` (``~ eps phi r``) is
 dropped, which changes ``|w|`` by ``~ (eps phi)^2``. The overdamped step projects radially, ``r w / |w|`` (the
 orthogonal projection); a zero unit has no direction and is put at
@@ -55,7 +56,7 @@ import jax.numpy as jnp
 from cola_jax import _noise
 from cola_jax._numerics import concrete_float, explicit_sharding, inverse_sqrt, max_abs, power_of_two_scale
 from cola_jax.constraints.base import Constraint
-from cola_jax.constraints.sphere import Sphere, _check_axis, _normalize_axis
+from cola_jax.constraints.max_norm import Axis, MaxNorm, _check_axis, _normalize_axis
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["radius"], meta_fields=["axes"])
@@ -92,15 +93,17 @@ class UnitNorm(Constraint):
   Args:
     radius: the norm ``r > 0`` of each unit's weights (finite).
     axis: the axes of the leaf that the norm is taken over, as in
-      :class:`~cola_jax.Sphere` (an int or a tuple; negative values count
-      from the end). ``None`` (default): every axis but the last, so a Dense
-      kernel ``(in, out)`` has one unit per column and a conv kernel
-      ``(kh, kw, in, out)`` one per output filter. Keras' ``UnitNorm(axis=0)``
-      on a Dense kernel is the default here.
+      :class:`~cola_jax.MaxNorm` (an int or a tuple; negative values count
+      from the end), or ``"all"``: every axis, the whole leaf one unit
+      (``|W|_F = r`` for a matrix). ``None`` (default): every axis but the
+      last, so a Dense kernel ``(in, out)`` has one unit per column and a conv
+      kernel ``(kh, kw, in, out)`` one per output filter. Keras'
+      ``UnitNorm(axis=0)`` on a Dense kernel is the default here.
 
   A unit needs at least two entries (with one, ``|w| = r`` leaves only
   ``+-r``): a leaf whose units have fewer is a ValueError naming it (for a
-  vector pass ``axis=0`` to norm the whole of it). Units are put on the sphere
+  vector pass ``axis=0`` or ``"all"`` to norm the whole of it). For the ball
+  ``|w_j| <= r`` use :class:`~cola_jax.MaxNorm`. Units are put on the sphere
   radially by the first update. The momentum of ``cola_ud`` is the tangent
   vector, shaped like the leaf. See the module docstring for the geometry.
 
@@ -111,15 +114,21 @@ class UnitNorm(Constraint):
     Array([[0.6, 0.6], [0.8, 0.8]], dtype=float32)
     >>> tx = cola.cola_ud(0.3, friction=1.0,
     ...                   constraints={'kernel': cola.UnitNorm(), 'bias': None})
+
+    The whole matrix as one unit, ``|W|_F = 2``:
+
+    >>> w = jnp.array([[3.0, 0.0], [0.0, 4.0]])  # Frobenius norm 5
+    >>> cola.UnitNorm(2.0, axis="all").nearest(w)
+    Array([[1.2, 0. ], [0. , 1.6]], dtype=float32)
   """
 
   radius: float = 1.0
-  axis: tuple[int, ...] | None = None  # an int is accepted and stored as a tuple
+  axis: Axis = None  # an int or a list is accepted and stored as a tuple; "all" is kept as is
 
   project_noise_with_force = True
 
-  # The sphere S^n whose equator xi = 0 this is: its axes, products and A step.
-  _sphere: Sphere = dataclasses.field(init=False, repr=False, compare=False)
+  # The slack sphere S^n of MaxNorm, whose equator xi = 0 this is: its axes, products and A step.
+  _sphere: MaxNorm = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self):
     if isinstance(self.radius, (bool, str, bytes)) or self.radius is None:
@@ -130,10 +139,10 @@ class UnitNorm(Constraint):
     if r is not None and not (math.isfinite(r) and r > 0):
       raise ValueError(f"UnitNorm: radius must be positive and finite, got {self.radius!r}.")
     axis = _normalize_axis(self.axis, "UnitNorm")
-    if axis is not None and len(set(axis)) != len(axis):
+    if isinstance(axis, tuple) and len(set(axis)) != len(axis):
       raise ValueError(f"UnitNorm: axis {self.axis!r} repeats an axis.")
     object.__setattr__(self, "axis", axis)  # lists become tuples: hashable
-    object.__setattr__(self, "_sphere", Sphere(self.radius, axis))
+    object.__setattr__(self, "_sphere", MaxNorm(self.radius, axis))
 
   def validate(self, param, path):
     _check_axis("UnitNorm", self.axis, param, path)
@@ -158,7 +167,7 @@ class UnitNorm(Constraint):
   def _onto_norm(self, w):
     """``r w_j / |w_j|`` per unit; ``r (1, ..., 1) / sqrt(n)`` for a zero unit.
 
-    Overflow-safe as :class:`~cola_jax.Sphere`'s radial projection: each unit is
+    Overflow-safe as :class:`~cola_jax.MaxNorm`'s radial projection: each unit is
     measured after an exact power-of-two scaling. A unit whose entries are
     below the smallest normal number (zero, or subnormal: compiled code
     flushes those to zero, XLA's constant folder does not) is normalised as

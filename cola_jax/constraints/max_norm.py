@@ -1,4 +1,4 @@
-r"""Sphere (max-norm) constraint: ``|w_j| <= r`` for every unit, through one slack each.
+r"""Max-norm constraint: the ball ``|w_j| <= r`` for every unit, through one slack each (Keras ``MaxNorm``).
 
 The incoming weights ``w_j in R^n`` of unit ``j`` get one slack ``xi_j`` with
 
@@ -9,8 +9,11 @@ so ``q_j = (w_j, xi_j)`` moves on the sphere ``S^n`` of radius ``r`` in
 ``R^{n+1}`` and the max-norm bound ``|w_j| <= r`` holds without clipping. For a
 Flax ``Dense`` kernel ``(in, out)`` the unit is the column ``kernel[:, j]``
 (the norm is over every axis but the last); a conv kernel ``(kh, kw, in, out)``
-gets one slack per output filter. ``axis`` chooses other axes. With one weight
-per unit (``n = 1``) this is exactly :class:`~cola_jax.Circle`.
+gets one slack per output filter. ``axis`` chooses other axes (``"all"``: the
+whole leaf is one unit, ``|W|_F <= r``). With one weight per unit (``n = 1``)
+this is exactly :class:`~cola_jax.Circle`. The sphere ``|w_j| = r`` itself,
+without a slack, is :class:`~cola_jax.UnitNorm`. This class was called
+``Sphere`` (for the slack sphere ``S^n``) before; that name is deprecated.
 
 Momentum. The cotangent space at ``q_j`` has dimension ``n``, as many as the
 unit has weights, so the momentum is stored shaped like the leaf, as the
@@ -62,11 +65,14 @@ References:
   not worked out).
   Leimkuhler and Matthews, *Efficient molecular dynamics using geodesic
   integration and solvent-solute splitting*, Proc. R. Soc. A, 2016.
+  Keras ``keras.constraints.MaxNorm`` (the same bound, by rescaling after each
+  update).
 """
 
 import dataclasses
 import operator
-from typing import NamedTuple
+import warnings
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -88,14 +94,14 @@ from cola_jax.constraints.base import Constraint
 _MARGIN = 4
 
 
-class SphereState(NamedTuple):
-  """Auxiliary state of a sphere-constrained leaf: one slack per unit, and the radius.
+class MaxNormState(NamedTuple):
+  """Auxiliary state of a max-norm leaf: one slack per unit, and the radius.
 
   Example:
     >>> import jax.numpy as jnp, cola_jax as cola
-    >>> tx = cola.cola_od(0.1, constraints=cola.Sphere(1.0))
+    >>> tx = cola.cola_od(0.1, constraints=cola.MaxNorm(1.0))
     >>> tx.init(jnp.array([[0.6, 0.0], [0.0, 0.5]])).constraint_states  # |column|**2 + slack**2 = 1
-    SphereState(slack=Array([[0.8 , 0.8660254]], dtype=float32), radius=Array(1., dtype=float32))
+    MaxNormState(slack=Array([[0.8 , 0.8660254]], dtype=float32), radius=Array(1., dtype=float32))
   """
 
   # xi, shaped like the weight with the reduced axes kept as size 1: (1, out)
@@ -118,9 +124,17 @@ class SphereState(NamedTuple):
     return jnp.maximum(on_sphere, outside)
 
 
-def _normalize_axis(axis, owner: str = "Sphere") -> tuple[int, ...] | None:
+Axis = tuple[int, ...] | Literal["all"] | None  # the normed axes, as stored
+
+
+def _normalize_axis(axis, owner: str = "MaxNorm") -> Axis:
+  """``None``, ``"all"``, or ``axis`` (an int or a sequence of ints) as a tuple."""
   if axis is None:
     return None
+  if isinstance(axis, str):
+    if axis == "all":
+      return "all"
+    raise ValueError(f"{owner}: axis must be None, an int or a tuple of ints, or 'all', got {axis!r}.")
   if isinstance(axis, (list, tuple)):
     items = tuple(axis)
   else:
@@ -128,17 +142,17 @@ def _normalize_axis(axis, owner: str = "Sphere") -> tuple[int, ...] | None:
   out = []
   for a in items:
     if isinstance(a, bool):
-      raise TypeError(f"{owner}: axis must be None, an int or a tuple of ints, got {axis!r}.")
+      raise TypeError(f"{owner}: axis must be None, an int or a tuple of ints, or 'all', got {axis!r}.")
     try:
       out.append(operator.index(a))
     except TypeError:
-      raise TypeError(f"{owner}: axis must be None, an int or a tuple of ints, got {axis!r}.") from None
+      raise TypeError(f"{owner}: axis must be None, an int or a tuple of ints, or 'all', got {axis!r}.") from None
   return tuple(out)
 
 
 def _check_axis(owner: str, axis, param, path: str) -> None:
   """Raises ValueError naming the leaf if ``axis`` does not fit it."""
-  if axis is None:
+  if axis is None or axis == "all":
     return
   ndim = param.ndim
   bad = [a for a in axis if not -ndim <= a < ndim]
@@ -155,21 +169,29 @@ def _check_axis(owner: str, axis, param, path: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Sphere(Constraint):
-  """``|w_j| <= radius`` for every unit ``j``, as ``|w_j|^2 + xi_j^2 = radius^2``.
+class MaxNorm(Constraint):
+  """``|w_j| <= radius`` for every unit ``j`` (Keras ``MaxNorm``), as ``|w_j|^2 + xi_j^2 = radius^2``.
+
+  The max-norm ball, held exactly through one slack ``xi_j`` per unit (the
+  unit and its slack move on the sphere ``S^n``), not by rescaling after each
+  step. For the sphere ``|w_j| = radius`` use :class:`~cola_jax.UnitNorm`.
+  (Formerly ``Sphere``: that name still constructs a ``MaxNorm``, with a
+  ``DeprecationWarning``, and goes in the next release.)
 
   Args:
     radius: the bound ``r > 0`` on the Euclidean norm of each unit's weights.
     axis: the axes of the leaf that the norm is taken over (an int or a tuple,
-      negative values count from the end). ``None`` (default): every axis but
-      the last, so a Dense kernel ``(in, out)`` has one unit per column and a
-      conv kernel ``(kh, kw, in, out)`` one per output filter. For a 1-d leaf
-      the default reduces nothing (every entry its own unit: the circle); pass
-      ``axis=0`` to bound the norm of the whole vector.
+      negative values count from the end), or ``"all"``: every axis, the whole
+      leaf one unit (``|W|_F <= r`` for a matrix). ``None`` (default): every
+      axis but the last, so a Dense kernel ``(in, out)`` has one unit per
+      column and a conv kernel ``(kh, kw, in, out)`` one per output filter.
+      For a 1-d leaf the default reduces nothing (every entry its own unit:
+      the circle); pass ``axis=0`` or ``"all"`` to bound the norm of the whole
+      vector.
 
   Units with ``|w_j| > r`` are scaled onto the ball's boundary by the first
   update (their slack starts at 0); the others start with
-  ``xi_j = +sqrt(r^2 - |w_j|^2)``. The slack (``SphereState.slack``) keeps the
+  ``xi_j = +sqrt(r^2 - |w_j|^2)``. The slack (``MaxNormState.slack``) keeps the
   reduced axes with size 1, e.g. ``(1, out)`` for a Dense kernel. The momentum
   of ``cola_ud`` is stored shaped like the leaf, as coordinates in a frame
   transported from the pole (see the module docstring).
@@ -177,22 +199,29 @@ class Sphere(Constraint):
   Example:
     >>> import jax.numpy as jnp, cola_jax as cola
     >>> kernel = jnp.array([[3.0, 0.3], [4.0, 0.4]])  # columns of norm 5 and 0.5
-    >>> cola.Sphere(1.0).nearest(kernel).round(3)  # where the first update starts
+    >>> cola.MaxNorm(1.0).nearest(kernel).round(3)  # where the first update starts
     Array([[0.6, 0.3], [0.8, 0.4]], dtype=float32)
     >>> tx = cola.cola_ud(0.3, friction=1.0,
-    ...                   constraints={'kernel': cola.Sphere(1.0), 'bias': None})
+    ...                   constraints={'kernel': cola.MaxNorm(1.0), 'bias': None})
+
+    The whole matrix as one unit, ``|W|_F <= 1``:
+
+    >>> w = jnp.array([[3.0, 0.0], [0.0, 4.0]])  # Frobenius norm 5
+    >>> cola.MaxNorm(1.0, axis="all").nearest(w).round(3)
+    Array([[0.6, 0. ], [0. , 0.8]], dtype=float32)
   """
 
   radius: float
-  axis: tuple[int, ...] | None = None  # an int is accepted and stored as a tuple
+  # An int or a list is accepted and stored as a tuple; "all" is kept as is.
+  axis: tuple[int, ...] | Literal["all"] | None = None
 
   momentum_coordinates = "frame"  # the frame transported from the pole
 
   def __post_init__(self):
-    check_positive("Sphere", "radius", self.radius)
+    check_positive("MaxNorm", "radius", self.radius)
     axis = _normalize_axis(self.axis)
-    if axis is not None and len(set(axis)) != len(axis):
-      raise ValueError(f"Sphere: axis {self.axis!r} repeats an axis.")
+    if isinstance(axis, tuple) and len(set(axis)) != len(axis):
+      raise ValueError(f"MaxNorm: axis {self.axis!r} repeats an axis.")
     object.__setattr__(self, "axis", axis)  # lists become tuples: hashable
 
   # Axes.
@@ -201,10 +230,12 @@ class Sphere(Constraint):
     """The reduced axes, non-negative and sorted, for a leaf of rank ``ndim``."""
     if self.axis is None:
       return tuple(range(ndim - 1))
+    if self.axis == "all":
+      return tuple(range(ndim))
     return tuple(sorted(a % ndim for a in self.axis))
 
   def validate(self, param, path):
-    _check_axis("Sphere", self.axis, param, path)
+    _check_axis("MaxNorm", self.axis, param, path)
 
   def _dot(self, a, b):
     """Per-unit inner product, reduced axes kept with size 1."""
@@ -220,7 +251,7 @@ class Sphere(Constraint):
     r = jnp.asarray(self.radius, param.dtype)
     w = self._into_ball(param, r)
     norm2 = self._dot(w, w)
-    return SphereState(slack=jnp.sqrt(jnp.maximum(r * r - norm2, 0)), radius=r)
+    return MaxNormState(slack=jnp.sqrt(jnp.maximum(r * r - norm2, 0)), radius=r)
 
   def _into_ball(self, w, r):
     """Units with ``|w_j| > r`` scaled radially onto ``|w_j| = r``.
@@ -287,7 +318,7 @@ class Sphere(Constraint):
     above = norm2 > limit
     scale = jnp.sqrt(limit) * inverse_sqrt(jnp.where(above, norm2, jnp.ones_like(norm2)))
     w = jnp.where(above, w * scale, w)
-    return w, SphereState(slack=xi, radius=r)
+    return w, MaxNormState(slack=xi, radius=r)
 
   def ambient_gradient(self, point, grad):
     _, xi = point
@@ -368,3 +399,36 @@ class Sphere(Constraint):
     new_point = (cos * w + along * p_w, cos * xi + along * p_xi)
     new_vector = (cos * p_w - back * w, cos * p_xi - back * xi)
     return new_point, self._coordinates(new_point, new_vector)
+
+
+# The names of the previous release, which called the ball after its slack sphere: they keep working, with a
+# DeprecationWarning, for one release (the packages' module-level ``__getattr__`` looks them up here).
+_DEPRECATED = {
+  "Sphere": (
+    MaxNorm,
+    "it is the max-norm ball |w_j| <= radius; use {package}.MaxNorm "
+    "(for the sphere |w_j| = radius, use {package}.UnitNorm)",
+  ),
+  "SphereState": (
+    MaxNormState,
+    "it is the state of the max-norm ball |w_j| <= radius; use {package}.MaxNormState "
+    "(for the sphere |w_j| = radius, use {package}.UnitNorm, whose state is {package}.UnitNormState)",
+  ),
+}
+
+
+def deprecated_name(package: str, name: str):
+  """What the deprecated ``package.name`` stands for, after a DeprecationWarning; AttributeError for other names.
+
+  Called from a module's ``__getattr__``: the warning is attributed to the line that named it (``stacklevel=3``),
+  so that a filter on ``cola_jax``'s own warnings leaves users' code alone.
+  """
+  if name not in _DEPRECATED:
+    raise AttributeError(f"module {package!r} has no attribute {name!r}")
+  new, why = _DEPRECATED[name]
+  warnings.warn(
+    f"{package}.{name} is deprecated and will be removed in the next release: {why.format(package=package)}.",
+    DeprecationWarning,
+    stacklevel=3,
+  )
+  return new
