@@ -58,11 +58,7 @@ def is_function(spec) -> bool:
   A pytree that is also callable (an Equinox module built with ``jax.tree.map``
   over the model) is a tree: its leaves are the spec, it is not called.
   """
-  return (
-    callable(spec)
-    and not isinstance(spec, Constraint)
-    and jax.tree_util.treedef_is_leaf(jax.tree.structure(spec))
-  )
+  return callable(spec) and not isinstance(spec, Constraint) and jax.tree_util.treedef_is_leaf(jax.tree.structure(spec))
 
 
 def _is_constraint_leaf(x) -> bool:
