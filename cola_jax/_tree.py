@@ -8,7 +8,7 @@ Every check here runs where shapes and dtypes are static (at ``init``, or when
 import functools
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +52,7 @@ def is_params_placeholder(params) -> bool:
   return isinstance(params, _placeholder_type())
 
 
-def is_function(spec) -> bool:
+def is_function(spec) -> TypeGuard[Callable[[Any], Any]]:
   """Whether ``spec`` (constraints, a mask, radii) is a function of the parameters rather than a tree of them.
 
   A pytree that is also callable (an Equinox module built with ``jax.tree.map``
