@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 from cola_jax._hyperparameters import called_as, caller, check_nonnegative, check_positive
-from cola_jax._tree import is_function
+from cola_jax._tree import ConstraintSpec, is_function
 from cola_jax.constraints.circle import Circle
 from cola_jax.constraints.orthogonal import Orthogonal
 from cola_jax.transforms import cola_od, cola_ud
@@ -43,7 +43,7 @@ def _check_mask(owner: str, mask, where: str = "mask") -> None:
       raise TypeError(
         f"{owner}: mask must be booleans, a pytree of them or a callable returning one (as in optax.masked), but "
         f"{where}{jax.tree_util.keystr(path)} is {leaf!r}. To choose constraints per leaf, pass them as "
-        "constraints= to cola.cola_od, cola.cola_ud or cola.constrained (cola.path_constraints builds them by path)."
+        "constraints= (every CoLA method and cola.constrained take it; cola.path_constraints builds them by path)."
       )
 
 
@@ -80,6 +80,29 @@ def _constraints_per_leaf(owner: str, mask: MaskOrFn, make: Callable[[Any, str],
 
     return jax.tree_util.tree_map_with_path(assign, masks, specs, params, is_leaf=lambda x: x is None)
 
+  return constraints
+
+
+def _given(radius):
+  assert radius is not None  # _chosen asks for radius= when neither it nor constraints= is given
+  return radius
+
+
+def _chosen(owner: str, constraints, mask, preset: Callable[[], Any], *radius) -> Any:
+  """``constraints`` when given (then neither ``mask`` nor ``radius``), else the preset's own."""
+  if constraints is None:
+    if radius and radius[0] is None:
+      raise TypeError(
+        f"{owner}: give radius= (every masked-in weight in [-radius, radius]) or constraints= (any "
+        "constraint per leaf, e.g. cola.path_constraints([(r'Dense_1/kernel', cola.Circle(0.05))]))."
+      )
+    return preset()
+  given = [name for name, value in (("mask", mask), ("radius", radius[0] if radius else None)) if value is not None]
+  if given:
+    raise ValueError(
+      f"{owner}: constraints= chooses every leaf's constraint; {' and '.join(f'{n}=' for n in given)} "
+      "would choose again. Give one or the other."
+    )
   return constraints
 
 
@@ -143,8 +166,9 @@ def orthogonal_constraints(
 def c_cola_od(
   learning_rate: optax.ScalarOrSchedule,
   *,
-  radius: RadiusSpec,
+  radius: RadiusSpec | None = None,
   mask: MaskOrFn = None,
+  constraints: ConstraintSpec = None,
   temperature: optax.ScalarOrSchedule = 0.0,
   key: jax.Array | None = None,
 ) -> optax.GradientTransformation:
@@ -160,9 +184,13 @@ def c_cola_od(
       an optax schedule.
     radius: ``r > 0``: a number, a pytree prefix of the parameters with number
       or ``None`` leaves (``None``: that leaf is free), or a callable mapping
-      the parameters to such a pytree.
+      the parameters to such a pytree. Required unless ``constraints`` is given.
     mask: which leaves are constrained, as in ``optax.masked`` (a pytree of
       bools or a callable); default: every leaf with ``ndim >= 2``.
+    constraints: instead of ``radius`` and ``mask``, every leaf's constraint, as for
+      :func:`cola_jax.cola_od` (a ``Constraint``, a pytree prefix, or a
+      callable such as :func:`cola_jax.path_constraints`); the method's
+      dynamics stay those of its name.
     temperature: ``tau >= 0``, a number or an optax schedule.
     key: a JAX PRNG key, required unless ``temperature`` is exactly 0.
 
@@ -183,9 +211,10 @@ def c_cola_od(
     (True, Array([-0.1, -0.1], dtype=float32))
   """
   with called_as("c_cola_od"):
+    constraints = _chosen("c_cola_od", constraints, mask, lambda: circle_constraints(_given(radius), mask=mask), radius)
     return cola_od(
       learning_rate,
-      constraints=circle_constraints(radius, mask=mask),
+      constraints=constraints,
       temperature=temperature,
       key=key,
     )
@@ -195,8 +224,9 @@ def c_cola_ud(
   learning_rate: optax.ScalarOrSchedule,
   *,
   friction: float,
-  radius: RadiusSpec,
+  radius: RadiusSpec | None = None,
   mask: MaskOrFn = None,
+  constraints: ConstraintSpec = None,
   temperature: optax.ScalarOrSchedule = 0.0,
   key: jax.Array | None = None,
   splitting: str = "OBA",
@@ -222,9 +252,13 @@ def c_cola_ud(
       ``exp(-gamma h)``; ``gamma = 0`` keeps all momentum).
     radius: ``r > 0``: a number, a pytree prefix of the parameters with number
       or ``None`` leaves (``None``: that leaf is free), or a callable mapping
-      the parameters to such a pytree.
+      the parameters to such a pytree. Required unless ``constraints`` is given.
     mask: which leaves are constrained, as in ``optax.masked`` (a pytree of
       bools or a callable); default: every leaf with ``ndim >= 2``.
+    constraints: instead of ``radius`` and ``mask``, every leaf's constraint, as for
+      :func:`cola_jax.cola_od` (a ``Constraint``, a pytree prefix, or a
+      callable such as :func:`cola_jax.path_constraints`); the method's
+      dynamics stay those of its name.
     temperature: ``tau >= 0``, a number or an optax schedule.
     key: a JAX PRNG key, required unless ``temperature`` is exactly 0.
     splitting: ``"OBA"`` (the paper's) or ``"BAOAB"``; see :func:`cola_jax.cola_ud`.
@@ -248,10 +282,11 @@ def c_cola_ud(
     (True, 3)
   """
   with called_as("c_cola_ud"):
+    constraints = _chosen("c_cola_ud", constraints, mask, lambda: circle_constraints(_given(radius), mask=mask), radius)
     return cola_ud(
       learning_rate,
       friction=friction,
-      constraints=circle_constraints(radius, mask=mask),
+      constraints=constraints,
       temperature=temperature,
       key=key,
       splitting=splitting,
@@ -263,6 +298,7 @@ def o_cola_od(
   learning_rate: optax.ScalarOrSchedule,
   *,
   mask: MaskOrFn = None,
+  constraints: ConstraintSpec = None,
   temperature: optax.ScalarOrSchedule = 0.0,
   key: jax.Array | None = None,
   tolerance: float = 1e-6,
@@ -283,6 +319,10 @@ def o_cola_od(
     mask: which leaves are constrained (pytree of bools or callable); default:
       every leaf with ``ndim >= 2``. A masked-in leaf with ``ndim < 2`` is an
       error naming its path.
+    constraints: instead of ``mask``, every leaf's constraint, as for
+      :func:`cola_jax.cola_od` (a ``Constraint``, a pytree prefix, or a
+      callable such as :func:`cola_jax.path_constraints`); the method's
+      dynamics stay those of its name.
     temperature: ``tau >= 0``, a number or an optax schedule.
     key: a JAX PRNG key, required unless ``temperature`` is exactly 0.
     tolerance: projection tolerance on ``max |Q^T Q - I|``.
@@ -309,8 +349,13 @@ def o_cola_od(
     True
   """
   with called_as("o_cola_od"):
-    constraints = orthogonal_constraints(
-      mask=mask, tolerance=tolerance, max_iterations=max_iterations, projection=projection, loop=loop
+    constraints = _chosen(
+      "o_cola_od",
+      constraints,
+      mask,
+      lambda: orthogonal_constraints(
+        mask=mask, tolerance=tolerance, max_iterations=max_iterations, projection=projection, loop=loop
+      ),
     )
     return cola_od(learning_rate, constraints=constraints, temperature=temperature, key=key)
 
@@ -320,6 +365,7 @@ def o_cola_ud(
   *,
   friction: float,
   mask: MaskOrFn = None,
+  constraints: ConstraintSpec = None,
   temperature: optax.ScalarOrSchedule = 0.0,
   key: jax.Array | None = None,
   tolerance: float = 1e-6,
@@ -347,6 +393,10 @@ def o_cola_ud(
     mask: which leaves are constrained (pytree of bools or callable); default:
       every leaf with ``ndim >= 2``. A masked-in leaf with ``ndim < 2`` is an
       error naming its path.
+    constraints: instead of ``mask``, every leaf's constraint, as for
+      :func:`cola_jax.cola_od` (a ``Constraint``, a pytree prefix, or a
+      callable such as :func:`cola_jax.path_constraints`); the method's
+      dynamics stay those of its name.
     temperature: ``tau >= 0``, a number or an optax schedule.
     key: a JAX PRNG key, required unless ``temperature`` is exactly 0.
     splitting: ``"OBA"`` (the paper's) or ``"BAOAB"``; see :func:`cola_jax.cola_ud`.
@@ -376,8 +426,13 @@ def o_cola_ud(
     True
   """
   with called_as("o_cola_ud"):
-    constraints = orthogonal_constraints(
-      mask=mask, tolerance=tolerance, max_iterations=max_iterations, projection=projection, loop=loop
+    constraints = _chosen(
+      "o_cola_ud",
+      constraints,
+      mask,
+      lambda: orthogonal_constraints(
+        mask=mask, tolerance=tolerance, max_iterations=max_iterations, projection=projection, loop=loop
+      ),
     )
     return cola_ud(
       learning_rate,

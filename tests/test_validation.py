@@ -385,3 +385,25 @@ def test_masks_of_booleans_and_callables_returning_them_choose_the_constrained_l
     state = FACTORIES[owner](mask=mask).init(params)
     residuals = cola.constraint_residuals(params, state)
     assert residuals["v"] is None and residuals["w"] is not None
+
+
+@pytest.mark.parametrize("owner", ["c_cola_od", "c_cola_ud", "o_cola_od", "o_cola_ud"])
+def test_every_preset_accepts_constraints_as_cola_od_does(owner):
+  """One vocabulary: constraints= on the presets too, instead of their radius or mask."""
+  params = {"Dense_0": {"kernel": jnp.full((3, 3), 0.3)}, "Dense_1": {"kernel": jnp.full((3, 3), 0.3)}}
+  rules = cola.path_constraints([("Dense_1/kernel", cola.Orthogonal())])
+  kw = {} if owner.startswith("o") else {"radius": None}
+  tx = FACTORIES[owner](constraints=rules, **kw)
+  state = tx.init(params)
+  updates, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+  residuals = cola.constraint_residuals(optax.apply_updates(params, updates), state)
+  assert residuals["Dense_0"]["kernel"] is None and float(residuals["Dense_1"]["kernel"]) < 1e-5
+  with pytest.raises(ValueError, match=f"^{owner}: constraints= chooses every leaf's constraint; mask="):
+    FACTORIES[owner](constraints=rules, mask={"Dense_0": True, "Dense_1": True}, **kw)
+
+
+def test_circle_presets_need_radius_or_constraints():
+  with pytest.raises(TypeError, match=r"^c_cola_ud: give radius= .* or constraints="):
+    cola.c_cola_ud(0.1, friction=1.0)
+  with pytest.raises(ValueError, match="^c_cola_od: constraints= chooses every leaf's constraint; radius="):
+    cola.c_cola_od(0.1, radius=0.1, constraints=cola.Circle(0.1))
