@@ -10,6 +10,7 @@ constrained and biases are free; ``mask`` chooses otherwise, as in
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -57,11 +58,14 @@ def _per_leaf(spec, params, what: str, owner: str):
     raise ValueError(f"{owner}: {what} must be a pytree prefix of the parameters.\n{error}") from None
 
 
-def _constraints_per_leaf(owner: str, mask: MaskOrFn, make: Callable[[Any, str], Any], spec: Any = True):
+def _constraints_per_leaf(
+  owner: str, mask: MaskOrFn, make: Callable[[Any, str], Any], spec: Any = True, warn_default: bool = False
+):
   """A callable ``params -> tree of constraints``.
 
   A leaf gets ``make(leaf_spec, path)`` where ``mask`` is true and the leaf's
   entry of ``spec`` (a prefix pytree or a callable) is not None; else None.
+  With ``warn_default``, the default mask warns, naming the leaves it takes.
   """
 
   if mask is not None and not is_function(mask):
@@ -71,6 +75,8 @@ def _constraints_per_leaf(owner: str, mask: MaskOrFn, make: Callable[[Any, str],
     if is_function(mask):
       _check_mask(owner, mask(params), "mask(params)")
     masks = _per_leaf(_default_mask if mask is None else mask, params, "mask", owner)
+    if mask is None and warn_default and not _within_masked(params):
+      _warn_default_mask(owner, masks)
     specs = _per_leaf(spec, params, "radius", owner)
 
     def assign(path, masked_in, leaf_spec, _):
@@ -81,6 +87,25 @@ def _constraints_per_leaf(owner: str, mask: MaskOrFn, make: Callable[[Any, str],
     return jax.tree_util.tree_map_with_path(assign, masks, specs, params, is_leaf=lambda x: x is None)
 
   return constraints
+
+
+def _within_masked(params) -> bool:
+  """Whether ``params`` is the group that ``optax.masked`` or ``optax.partition`` chose: the user's choice already."""
+  is_masked = lambda x: isinstance(x, optax.MaskedNode)
+  return any(is_masked(x) for x in jax.tree.leaves(params, is_leaf=is_masked))
+
+
+def _warn_default_mask(owner: str, masks) -> None:
+  leaves = jax.tree_util.tree_flatten_with_path(masks)[0]
+  taken = [f"params{jax.tree_util.keystr(path)}" for path, masked_in in leaves if masked_in]
+  if len(taken) > 1:  # one kernel: nothing else it could have meant
+    warnings.warn(
+      f"{owner}: the default mask makes every leaf with ndim >= 2 orthonormal, the model's first and last "
+      f"layers included: {', '.join(taken)}. The paper keeps those free: pass a mask that is True for the "
+      "hidden kernels only (or constraints=); any mask given silences this warning.",
+      UserWarning,
+      stacklevel=2,
+    )
 
 
 def _given(radius):
@@ -160,7 +185,7 @@ def orthogonal_constraints(
     Array([[1., 0.], [0., 1.], [0., 0.]], dtype=float32)
   """
   orthogonal = Orthogonal(tolerance=tolerance, max_iterations=max_iterations, projection=projection, loop=loop)
-  return _constraints_per_leaf(caller("orthogonal_constraints"), mask, lambda *_: orthogonal)
+  return _constraints_per_leaf(caller("orthogonal_constraints"), mask, lambda *_: orthogonal, warn_default=True)
 
 
 def c_cola_od(
@@ -317,8 +342,10 @@ def o_cola_od(
     learning_rate: the step size ``h > 0`` (SGD's learning rate), a number or
       an optax schedule.
     mask: which leaves are constrained (pytree of bools or callable); default:
-      every leaf with ``ndim >= 2``. A masked-in leaf with ``ndim < 2`` is an
-      error naming its path.
+      every leaf with ``ndim >= 2``, the first and last layers included (the
+      paper keeps them free), which a ``UserWarning`` naming those leaves
+      says when there is more than one. A masked-in leaf with ``ndim < 2``
+      is an error naming its path.
     constraints: instead of ``mask``, every leaf's constraint, as for
       :func:`cola_jax.cola_od` (a ``Constraint``, a pytree prefix, or a
       callable such as :func:`cola_jax.path_constraints`); the method's
@@ -391,8 +418,10 @@ def o_cola_ud(
     friction: the friction rate ``gamma >= 0`` (SGD-m's momentum is
       ``exp(-gamma h)``; ``gamma = 0`` keeps all momentum).
     mask: which leaves are constrained (pytree of bools or callable); default:
-      every leaf with ``ndim >= 2``. A masked-in leaf with ``ndim < 2`` is an
-      error naming its path.
+      every leaf with ``ndim >= 2``, the first and last layers included (the
+      paper keeps them free), which a ``UserWarning`` naming those leaves
+      says when there is more than one. A masked-in leaf with ``ndim < 2``
+      is an error naming its path.
     constraints: instead of ``mask``, every leaf's constraint, as for
       :func:`cola_jax.cola_od` (a ``Constraint``, a pytree prefix, or a
       callable such as :func:`cola_jax.path_constraints`); the method's

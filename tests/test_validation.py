@@ -6,6 +6,7 @@ leaves pass) or an error that names the argument and the leaf's path.
 
 import inspect
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -407,3 +408,20 @@ def test_circle_presets_need_radius_or_constraints():
     cola.c_cola_ud(0.1, friction=1.0)
   with pytest.raises(ValueError, match="^c_cola_od: constraints= chooses every leaf's constraint; radius="):
     cola.c_cola_od(0.1, radius=0.1, constraints=cola.Circle(0.1))
+
+
+@pytest.mark.parametrize("owner", ["o_cola_od", "o_cola_ud"])
+def test_the_orthogonal_default_mask_names_every_leaf_it_takes(owner):
+  """The default makes the first and last kernels orthonormal too (the paper keeps them free): it says so."""
+  params = {f"Dense_{i}": {"kernel": jnp.full((3, 3), 0.3), "bias": jnp.zeros(3)} for i in range(3)}
+  taken = ", ".join(f"params['Dense_{i}']['kernel']" for i in range(3))
+  message = re.escape(f"{owner}: the default mask makes every leaf with ndim >= 2 orthonormal")
+  with pytest.warns(UserWarning, match=message):
+    FACTORIES[owner]().init(params)
+  with pytest.warns(UserWarning, match=re.escape(taken)):
+    cola.orthogonal_constraints()(params)
+  hidden = {f"Dense_{i}": {"kernel": i == 1, "bias": False} for i in range(3)}
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # a mask given: no warning
+    FACTORIES[owner](mask=hidden).init(params)
+    FACTORIES[owner]().init({"kernel": jnp.eye(3)})  # one kernel: nothing else it could have meant
