@@ -72,9 +72,10 @@ def _constraints_per_leaf(
     _check_mask(owner, mask)
 
   def constraints(params):
+    chosen = _default_mask(params) if mask is None else mask(params) if is_function(mask) else mask
     if is_function(mask):
-      _check_mask(owner, mask(params), "mask(params)")
-    masks = _per_leaf(_default_mask if mask is None else mask, params, "mask", owner)
+      _check_mask(owner, chosen, "mask(params)")
+    masks = _per_leaf(chosen, params, "mask", owner)
     if mask is None and warn_default and not _within_masked(params):
       _warn_default_mask(owner, masks)
     specs = _per_leaf(spec, params, "radius", owner)
@@ -108,27 +109,27 @@ def _warn_default_mask(owner: str, masks) -> None:
     )
 
 
-def _given(radius):
-  assert radius is not None  # _chosen asks for radius= when neither it nor constraints= is given
-  return radius
-
-
-def _chosen(owner: str, constraints, mask, preset: Callable[[], Any], *radius) -> Any:
-  """``constraints`` when given (then neither ``mask`` nor ``radius``), else the preset's own."""
+def _chosen(owner: str, constraints, preset: Callable[[], Any], **alternatives) -> Any:
+  """``constraints`` if given (then none of the ``alternatives``, the preset's radius or mask), else ``preset()``."""
   if constraints is None:
-    if radius and radius[0] is None:
-      raise TypeError(
-        f"{owner}: give radius= (every masked-in weight in [-radius, radius]) or constraints= (any "
-        "constraint per leaf, e.g. cola.path_constraints([(r'Dense_1/kernel', cola.Circle(0.05))]))."
-      )
     return preset()
-  given = [name for name, value in (("mask", mask), ("radius", radius[0] if radius else None)) if value is not None]
+  given = [f"{name}=" for name, value in alternatives.items() if value is not None]
   if given:
     raise ValueError(
-      f"{owner}: constraints= chooses every leaf's constraint; {' and '.join(f'{n}=' for n in given)} "
-      "would choose again. Give one or the other."
+      f"{owner}: constraints= chooses every leaf's constraint; {' and '.join(given)} would choose again. "
+      "Give one or the other."
     )
   return constraints
+
+
+def _circle_chosen(owner: str, constraints, radius, mask) -> Any:
+  """The constraints of a c-CoLA preset: ``constraints``, or Circles of ``radius`` on the ``mask``'s leaves."""
+  if radius is None and constraints is None:
+    raise TypeError(
+      f"{owner}: give radius= (every masked-in weight in [-radius, radius]) or constraints= (any "
+      "constraint per leaf, e.g. cola.path_constraints([(r'Dense_1/kernel', cola.Circle(0.05))]))."
+    )
+  return _chosen(owner, constraints, lambda: circle_constraints(radius, mask=mask), mask=mask, radius=radius)
 
 
 def circle_constraints(radius: RadiusSpec, *, mask: MaskOrFn = None):
@@ -236,7 +237,7 @@ def c_cola_od(
     (True, Array([-0.1, -0.1], dtype=float32))
   """
   with called_as("c_cola_od"):
-    constraints = _chosen("c_cola_od", constraints, mask, lambda: circle_constraints(_given(radius), mask=mask), radius)
+    constraints = _circle_chosen("c_cola_od", constraints, radius, mask)
     return cola_od(
       learning_rate,
       constraints=constraints,
@@ -307,7 +308,7 @@ def c_cola_ud(
     (True, 3)
   """
   with called_as("c_cola_ud"):
-    constraints = _chosen("c_cola_ud", constraints, mask, lambda: circle_constraints(_given(radius), mask=mask), radius)
+    constraints = _circle_chosen("c_cola_ud", constraints, radius, mask)
     return cola_ud(
       learning_rate,
       friction=friction,
@@ -376,14 +377,10 @@ def o_cola_od(
     True
   """
   with called_as("o_cola_od"):
-    constraints = _chosen(
-      "o_cola_od",
-      constraints,
-      mask,
-      lambda: orthogonal_constraints(
-        mask=mask, tolerance=tolerance, max_iterations=max_iterations, projection=projection, loop=loop
-      ),
+    orthogonal = lambda: orthogonal_constraints(
+      mask=mask, tolerance=tolerance, max_iterations=max_iterations, projection=projection, loop=loop
     )
+    constraints = _chosen("o_cola_od", constraints, orthogonal, mask=mask)
     return cola_od(learning_rate, constraints=constraints, temperature=temperature, key=key)
 
 
@@ -455,14 +452,10 @@ def o_cola_ud(
     True
   """
   with called_as("o_cola_ud"):
-    constraints = _chosen(
-      "o_cola_ud",
-      constraints,
-      mask,
-      lambda: orthogonal_constraints(
-        mask=mask, tolerance=tolerance, max_iterations=max_iterations, projection=projection, loop=loop
-      ),
+    orthogonal = lambda: orthogonal_constraints(
+      mask=mask, tolerance=tolerance, max_iterations=max_iterations, projection=projection, loop=loop
     )
+    constraints = _chosen("o_cola_ud", constraints, orthogonal, mask=mask)
     return cola_ud(
       learning_rate,
       friction=friction,
