@@ -522,20 +522,29 @@ class Implicit(Constraint):
     geometry = self._geometry(param.shape)
     s = geometry.slack_matrix(aux.slack.astype(param.dtype))
     off = ~(geometry.worst(geometry.values(param, s)) <= self.tolerance)  # NaN too: its projection fails, flagged
+    x, s, k, converged = self._from_itself(geometry, param, s, off)
+    return ImplicitPoint(x, s.reshape(aux.slack.shape), k, converged)
+
+  def _from_itself(self, geometry, x, s, needed):
+    """The units where ``needed`` projected from themselves by Newton: ``(x, s, iterations, converged)`` per unit.
+
+    A unit whose projection fails is left as it was, flagged; the others are
+    left as they are (no iteration, converged).
+    """
 
     # A while loop of at most one iteration rather than lax.cond: under vmap a
     # cond runs both branches for every member, the loop only while one needs it
     # (with fixed loops: always, selected).
-    # Units on the manifold are left as they are by the projection (no iteration).
     def reproject(carry):
       x, s, _, _, _ = carry
       q, _, k, converged = geometry.shake(x, s, jnp.zeros_like(x), jnp.zeros_like(s), quasi_newton=False)
-      return *geometry.where(converged, q, (x, s)), k, converged, jnp.array(False)
+      x, s = geometry.where(needed & converged, q, (x, s))
+      return x, s, jnp.where(needed, k, 0), converged | ~needed, jnp.array(False)
 
     per_unit = geometry.layout.other_shape
-    start = (param, s, jnp.zeros(per_unit, jnp.int32), jnp.ones(per_unit, bool), jnp.any(off))
+    start = (x, s, jnp.zeros(per_unit, jnp.int32), jnp.ones(per_unit, bool), jnp.any(needed))
     x, s, k, converged, _ = bounded_while_loop(lambda carry: carry[4], reproject, start, 1, self.loop == "fixed")
-    return ImplicitPoint(x, s.reshape(aux.slack.shape), k, converged)
+    return x, s, k, converged
 
   def nearest(self, param):
     """The parameter projected onto the manifold from itself (see the module docstring).
@@ -589,21 +598,11 @@ class Implicit(Constraint):
     geometry = self._geometry(point.x.shape)
     shaken = self.project(point, tangent)
     vx, vs = geometry.split(tangent)
-    moved_slack = (geometry.slack_matrix(point.slack) + vs).reshape(point.slack.shape)
-    state = ImplicitState(slack=moved_slack, iterations=point.iterations, converged=point.converged, constraint=self)
-    itself = self.point(point.x + vx, state)
-    taken = shaken.converged | ~itself.converged
-    x, slack = geometry.where(
-      taken,
-      (shaken.x, geometry.slack_matrix(shaken.slack)),
-      (itself.x, geometry.slack_matrix(itself.slack)),
-    )
-    return ImplicitPoint(
-      x,
-      slack.reshape(point.slack.shape),
-      shaken.iterations + itself.iterations,
-      shaken.converged | itself.converged,
-    )
+    failed = ~shaken.converged
+    x, s, k, converged = self._from_itself(geometry, point.x + vx, geometry.slack_matrix(point.slack) + vs, failed)
+    # Where SHAKE failed and Newton too, SHAKE's result: the unit left at q, flagged (converged is then False).
+    x, s = geometry.where(failed & converged, (x, s), (shaken.x, geometry.slack_matrix(shaken.slack)))
+    return ImplicitPoint(x, s.reshape(point.slack.shape), shaken.iterations + k, converged)
 
   def cotangent(self, point, vector):
     geometry = self._geometry(point.x.shape)
