@@ -107,6 +107,9 @@ def test_the_old_name_constructs_a_max_norm_with_a_deprecation_warning():
   with pytest.warns(DeprecationWarning, match=r"cola_jax\.constraints\.Sphere is deprecated .*MaxNorm"):
     from cola_jax.constraints import Sphere
   assert Sphere is cola.MaxNorm
+  with pytest.warns(DeprecationWarning, match=r"cola_jax\.constraints\.SphereState is deprecated .*MaxNormState"):
+    from cola_jax.constraints.sphere import SphereState  # the previous release's module
+  assert SphereState is cola.MaxNormState
   assert not {"Sphere", "SphereState"} & {*cola.__all__, *cola.constraints.__all__}
   with pytest.raises(AttributeError, match="has no attribute 'Spheres'"):
     cola.Spheres  # noqa: B018 (other names are not found)
