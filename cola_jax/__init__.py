@@ -38,7 +38,9 @@ from cola_jax.constraints import (
 from cola_jax.constraints.max_norm import deprecated_name as _deprecated_name
 from cola_jax.declared import constraints_from, with_constraint
 from cola_jax.diagnostics import constraint_residuals
+from cola_jax.hyperspherical import hyperspherical_descent
 from cola_jax.initialization import project_params
+from cola_jax.manifold_muon import DirectionInfo, ManifoldMuonState, manifold_muon
 from cola_jax.path_rules import path_constraints
 from cola_jax.transforms import OverdampedState, UnderdampedState, cola_od, cola_ud
 
@@ -51,8 +53,10 @@ __all__ = [
   "CircleState",
   "ConstrainedState",
   "Constraint",
+  "DirectionInfo",
   "Implicit",
   "ImplicitState",
+  "ManifoldMuonState",
   "MaxNorm",
   "MaxNormState",
   "NonNegative",
@@ -71,8 +75,10 @@ __all__ = [
   "constrained",
   "constraint_residuals",
   "constraints_from",
+  "hyperspherical_descent",
   "langevin",
   "langevin_to_sgd_momentum",
+  "manifold_muon",
   "o_cola_od",
   "o_cola_ud",
   "orthogonal_constraints",

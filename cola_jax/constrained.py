@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from cola_jax import _compiled
+from cola_jax._hyperparameters import caller
 from cola_jax._tree import (
   NOT_PARAMS,
   ConstraintSpec,
@@ -176,7 +177,7 @@ def constrained(
     2008 (retractions, projection as vector transport).
     Becigneul, Ganea, *Riemannian Adaptive Optimization Methods*, ICLR 2019.
   """
-  owner = "constrained"
+  owner = caller("constrained")
   if not isinstance(inner, optax.GradientTransformation):
     raise TypeError(
       f"{owner}: inner must be an optax.GradientTransformation such as optax.adam(1e-3), got {type(inner).__name__}."

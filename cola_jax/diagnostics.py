@@ -8,9 +8,10 @@ import optax
 
 from cola_jax import _compiled
 from cola_jax.constrained import ConstrainedState
+from cola_jax.manifold_muon import ManifoldMuonState
 from cola_jax.transforms import OverdampedState, UnderdampedState
 
-_COLA_STATES = (OverdampedState, UnderdampedState, ConstrainedState)
+_COLA_STATES = (OverdampedState, UnderdampedState, ConstrainedState, ManifoldMuonState)
 
 
 def _cola_state(state):
@@ -25,7 +26,7 @@ def _cola_state(state):
   jax.tree.flatten(state, is_leaf=collect)
   if len(found) != 1:
     raise ValueError(
-      f"constraint_residuals: expected exactly one cola_od/cola_ud/constrained state inside "
+      f"constraint_residuals: expected exactly one cola_od/cola_ud/constrained/manifold_muon state inside "
       f"the optimizer state, found {len(found)}."
     )
   return found[0]
@@ -44,7 +45,7 @@ def constraint_residuals(params: Any, state: Any) -> Any:
 
   Args:
     params: the parameters.
-    state: the state of a ``cola_od`` / ``cola_ud`` / ``constrained`` transform, or of any optax
+    state: the state of a ``cola_od`` / ``cola_ud`` / ``constrained`` / ``manifold_muon`` transform, or of any optax
       transformation containing exactly one (a chain, ``inject_hyperparams``).
 
   Returns:

@@ -1,0 +1,198 @@
+"""Manifold Muon: the steepest tangent direction under the spectral norm, and the transformation built on it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from scipy import optimize
+
+import cola_jax as cola
+from cola_jax.manifold_muon import _admm, steepest_tangent_direction
+
+
+def _stiefel(rng, n, p):
+  return np.linalg.qr(rng.normal(size=(n, p)))[0].astype(np.float32)
+
+
+def _tangent_basis(w):
+  """An orthonormal basis (Frobenius) of the tangent space {A : W^T A + A^T W = 0} at ``w``."""
+  n, p = w.shape
+  ambient = np.eye(n * p).reshape(n * p, n, p)
+  normal_part = np.einsum(
+    "ij,bjk->bik", w, 0.5 * (np.einsum("ji,bjk->bik", w, ambient) + np.einsum("bji,jk->bik", ambient, w))
+  )
+  tangent = (ambient - normal_part).reshape(n * p, n * p)
+  u, s, _ = np.linalg.svd(tangent.T)
+  return u[:, s > 0.5].T.reshape(-1, n, p)  # the projection's singular values are 1 (tangent) and 0
+
+
+def _brute_force_value(w, g, starts):
+  """``max <G, A> / |A|_2`` over the tangent space, by Nelder-Mead from ``starts`` random directions."""
+  basis = _tangent_basis(np.float64(w))
+  g = np.float64(g)
+
+  def negative(theta):
+    a = np.tensordot(theta, basis, 1)
+    return -np.sum(g * a) / np.linalg.norm(a, 2)
+
+  rng = np.random.default_rng(0)
+  best = min(
+    (
+      optimize.minimize(
+        negative,
+        rng.normal(size=len(basis)),
+        method="Nelder-Mead",
+        options={"xatol": 1e-10, "fatol": 1e-12, "maxiter": 20000},
+      )
+      for _ in range(starts)
+    ),
+    key=lambda result: result.fun,
+  )
+  a = np.tensordot(best.x, basis, 1)
+  return -best.fun, a / np.linalg.norm(a, 2)
+
+
+@pytest.mark.parametrize("shape", [(3, 2), (4, 2), (2, 2), (3, 3), (3, 1)])
+def test_direction_is_the_brute_force_maximiser(shape):
+  rng = np.random.default_rng(sum(shape))
+  w, g = _stiefel(rng, *shape), rng.normal(size=shape).astype(np.float32)
+  a, info = steepest_tangent_direction(jnp.asarray(w), jnp.asarray(g))
+  a = np.asarray(a, np.float64)
+  assert bool(info.converged)
+  value, brute = _brute_force_value(w, g, starts=8)
+  assert np.sum(g * a) == pytest.approx(value, rel=2e-5)
+  np.testing.assert_allclose(a, brute, atol=2e-3)  # the maximiser is unique for generic G
+
+
+def test_direction_is_unit_spectral_norm_and_tangent():
+  rng = np.random.default_rng(1)
+  for n, p in [(40, 8), (30, 20), (12, 4)]:
+    w = _stiefel(rng, n, p)
+    # A spectrum decaying over three decades: the rank-deficient limit where the dual ascent stalls.
+    u, v = _stiefel(rng, n, p), _stiefel(rng, p, p)
+    g = (u * 0.8 ** np.arange(p)) @ v.T
+    a, info = steepest_tangent_direction(jnp.asarray(w), jnp.asarray(g, jnp.float32))
+    a = np.asarray(a, np.float64)
+    assert bool(info.converged) and 0 < int(info.iterations) <= 300
+    assert np.abs(w.T @ a + a.T @ w).max() < 1e-5
+    assert np.linalg.norm(a, 2) <= 1 + 1e-5
+
+
+def test_square_closed_form_equals_the_iterative_solution():
+  rng = np.random.default_rng(2)
+  w, g = _stiefel(rng, 6, 6), rng.normal(size=(6, 6)).astype(np.float32)
+  closed, info = steepest_tangent_direction(jnp.asarray(w), jnp.asarray(g))
+  assert int(info.iterations) == 0
+  # The same problem in the coordinates of the tall case with an empty complement: W^T G alone.
+  coordinates = jnp.asarray(w.T @ g / np.linalg.norm(g))
+  omega, iterations, converged = _admm(coordinates, 6, 1e-7, 2000)
+  assert bool(converged) and int(iterations) > 0
+  np.testing.assert_allclose(np.asarray(closed), w @ np.asarray(omega), atol=2e-5)
+  assert np.abs(np.asarray(omega) + np.asarray(omega).T).max() < 1e-5  # skew: tangent
+
+
+def test_direction_depends_on_the_direction_of_the_gradient_only():
+  rng = np.random.default_rng(3)
+  w, g = jnp.asarray(_stiefel(rng, 9, 3)), jnp.asarray(rng.normal(size=(9, 3)), jnp.float32)
+  a = steepest_tangent_direction(w, g)[0]
+  for c in (1e-30, 1e30):
+    np.testing.assert_allclose(steepest_tangent_direction(w, c * g)[0], a, atol=1e-6)
+
+
+def test_zero_and_non_finite_gradients():
+  w = jnp.eye(5, 2)
+  a, info = steepest_tangent_direction(w, jnp.zeros((5, 2)))
+  assert np.all(np.asarray(a) == 0) and bool(info.converged) and int(info.iterations) == 0
+  a, info = steepest_tangent_direction(w, jnp.ones((5, 2)).at[0, 0].set(jnp.inf))
+  assert np.all(np.isnan(np.asarray(a))) and not bool(info.converged)
+
+
+def test_an_iteration_bound_too_small_is_flagged():
+  rng = np.random.default_rng(4)
+  w = _stiefel(rng, 40, 8)
+  g = (_stiefel(rng, 40, 8) * 0.8 ** np.arange(8)) @ _stiefel(rng, 8, 8).T
+  _, info = steepest_tangent_direction(jnp.asarray(w), jnp.asarray(g, jnp.float32), max_iterations=2)
+  assert int(info.iterations) == 2 and not bool(info.converged)
+
+
+def _polar(m):
+  u, _, vt = np.linalg.svd(np.float64(m), full_matrices=False)
+  return u @ vt
+
+
+def test_without_momentum_a_step_is_the_reference_rule():
+  """``W <- msign(W - eta A)``: the modular-manifolds reference's update, here with the exact polar factor."""
+  rng = np.random.default_rng(5)
+  w, g = _stiefel(rng, 7, 3), rng.normal(size=(7, 3)).astype(np.float32)
+  tx = cola.manifold_muon(0.1, momentum=0.0)
+  updates, _ = tx.update(jnp.asarray(g), tx.init(jnp.asarray(w)), jnp.asarray(w))
+  a = np.asarray(steepest_tangent_direction(jnp.asarray(w), jnp.asarray(g))[0])
+  np.testing.assert_allclose(np.asarray(w + updates), _polar(w - 0.1 * a), atol=2e-6)
+
+
+@pytest.mark.parametrize(
+  "shape, constraint",
+  [
+    ((6, 3), cola.Orthogonal()),
+    ((3, 6), cola.Orthogonal()),
+    ((4, 4), cola.Orthogonal()),
+    ((3, 3, 4, 5), cola.Orthogonal()),
+    ((3, 3, 4, 5), cola.Orthogonal(row_axes=(2,), column_axes=(3,))),
+  ],
+)
+def test_leaves_stay_on_the_manifold(shape, constraint):
+  params = {"w": jax.random.normal(jax.random.key(0), shape), "b": jnp.zeros(3)}
+  constraints = {"w": constraint, "b": None}
+  tx = cola.manifold_muon(0.2, constraints=constraints)
+  params = cola.project_params(params, constraints)
+  state = tx.init(params)
+  loss = lambda p: jnp.sum(jnp.sin(p["w"] * 3.0)) + jnp.sum((p["b"] - 1) ** 2)
+  step = jax.jit(tx.update)
+  for _ in range(10):
+    updates, state = step(jax.grad(loss)(params), state, params)
+    params = optax.apply_updates(params, updates)
+  residuals = cola.constraint_residuals(params, state)
+  assert residuals["w"] < 1e-5 and residuals["b"] is None
+  assert bool(state.direction_info["w"].converged)
+
+
+def test_free_leaves_take_sgd_with_the_same_momentum():
+  beta, eta = 0.9, 0.05
+  grads = [jnp.array([1.0, -2.0]), jnp.array([0.5, 0.5]), jnp.array([-1.0, 3.0])]
+  for nesterov in (False, True):
+    tx = cola.manifold_muon(eta, constraints=None, momentum=beta, nesterov=nesterov)
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    m, expected = np.zeros(2), np.zeros(2)
+    for g in grads:
+      updates, state = tx.update(g, state, params)
+      params = optax.apply_updates(params, updates)
+      m = beta * m + (1 - beta) * np.asarray(g)
+      expected -= eta * (beta * m + (1 - beta) * np.asarray(g) if nesterov else m)
+    np.testing.assert_allclose(params, expected, rtol=1e-5, atol=1e-8)
+
+
+def test_schedule_jit_equals_eager_and_map_params():
+  params = {"w": jnp.eye(5, 3)}
+  tx = cola.manifold_muon(optax.linear_schedule(0.1, 0.0, 4))
+  grads = {"w": jnp.arange(15.0).reshape(5, 3) / 10}
+  state = tx.init(params)
+  eager, _ = tx.update(grads, state, params)
+  jitted, _ = jax.jit(tx.update)(grads, state, params)
+  np.testing.assert_allclose(eager["w"], jitted["w"], atol=1e-6)
+  assert jnp.abs(eager["w"]).max() > 0
+  specs = optax.tree.map_params(tx, lambda p: "param", state)
+  assert specs.momentum == {"w": "param"}
+
+
+def test_bad_input_is_named():
+  with pytest.raises(ValueError, match="momentum must be in"):
+    cola.manifold_muon(0.1, momentum=1.0)
+  with pytest.raises(ValueError, match="learning_rate"):
+    cola.manifold_muon(-0.1)
+  with pytest.raises(ValueError, match="max_iterations"):
+    cola.manifold_muon(0.1, max_iterations=0)
+  tx = cola.manifold_muon(0.1, constraints={"w": cola.UnitNorm(), "b": None})
+  with pytest.raises(ValueError, match=r"leaf at \['w'\] has the constraint UnitNorm"):
+    tx.init({"w": jnp.ones((3, 2)), "b": jnp.zeros(2)})
