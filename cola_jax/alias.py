@@ -267,7 +267,8 @@ def c_cola_od(
 def c_cola_ud(
   learning_rate: optax.ScalarOrSchedule,
   *,
-  friction: float,
+  friction: float | None = None,
+  momentum: float | None = None,
   radius: RadiusSpec | None = None,
   mask: MaskOrFn = None,
   constraints: ConstraintSpec = None,
@@ -278,22 +279,27 @@ def c_cola_ud(
 ) -> optax.GradientTransformation:
   """c-CoLA-ud: underdamped Langevin (OBA) with ``|theta| <= radius`` per weight.
 
-  In optax's terms: at temperature 0, on free leaves, this is
-  ``optax.sgd(h**2, momentum=exp(-friction * h))`` with ``h =
-  learning_rate``: ``learning_rate`` is the *square root* of SGD's, and
-  ``friction`` a rate, not a momentum coefficient. From SGD's settings:
-  ``h, gamma = cola.sgd_momentum_to_langevin(1e-3, 0.9)``, then
-  ``friction=gamma``. Parameters off their manifold are put on it by the
-  first update (call :func:`~cola_jax.project_params` to start there).
+  In optax's terms: ``c_cola_ud(1e-3, momentum=0.9)`` is, at temperature 0 on
+  free leaves, ``optax.sgd(1e-3, momentum=0.9)``. With ``friction=``
+  instead the arguments are the Langevin ones (the paper's): ``learning_rate``
+  is the step ``h`` (SGD's learning rate is ``h**2``) and ``friction`` the rate
+  ``gamma`` (SGD's momentum is ``exp(-gamma h)``), so ``c_cola_ud(1e-3,
+  friction=0.9)`` is *not* SGD-m with momentum 0.9. Parameters off their
+  manifold are put on it by the first update (call
+  :func:`~cola_jax.project_params` to start there).
 
   The paper's Fashion-MNIST setting is ``c_cola_ud(0.3, friction=1.0,
   radius={'Dense_0': 0.05, 'Dense_1': 0.1})`` at temperature 0.
 
   Args:
-    learning_rate: the step size ``h > 0`` (SGD-m's learning rate is ``h**2``),
-      a number or an optax schedule.
+    learning_rate: with ``friction``, the step size ``h > 0`` (SGD-m's learning
+      rate is ``h**2``); with ``momentum``, optax.sgd's learning rate. A number
+      or an optax schedule.
     friction: the friction rate ``gamma >= 0`` (SGD-m's momentum is
-      ``exp(-gamma h)``; ``gamma = 0`` keeps all momentum).
+      ``exp(-gamma h)``; ``gamma = 0`` keeps all momentum). Give it or ``momentum``.
+    momentum: instead of ``friction``, optax.sgd's momentum coefficient in
+      ``[0, 1]``; ``learning_rate`` is then optax.sgd's learning rate ``h**2``
+      (see :func:`cola_jax.cola_ud`).
     radius: ``r > 0``: a number, a pytree prefix of the parameters with number
       or ``None`` leaves (``None``: that leaf is free), or a callable mapping
       the parameters to such a pytree. Required unless ``constraints`` is given.
@@ -330,6 +336,7 @@ def c_cola_ud(
     return cola_ud(
       learning_rate,
       friction=friction,
+      momentum=momentum,
       constraints=constraints,
       temperature=temperature,
       key=key,
@@ -405,7 +412,8 @@ def o_cola_od(
 def o_cola_ud(
   learning_rate: optax.ScalarOrSchedule,
   *,
-  friction: float,
+  friction: float | None = None,
+  momentum: float | None = None,
   mask: MaskOrFn = None,
   constraints: ConstraintSpec = None,
   temperature: optax.ScalarOrSchedule = 0.0,
@@ -419,19 +427,24 @@ def o_cola_ud(
 ) -> optax.GradientTransformation:
   """o-CoLA-ud: underdamped Langevin (OBA, RATTLE A step) with orthonormal weights.
 
-  In optax's terms: at temperature 0, on free leaves, this is
-  ``optax.sgd(h**2, momentum=exp(-friction * h))`` with ``h =
-  learning_rate``: ``learning_rate`` is the *square root* of SGD's, and
-  ``friction`` a rate, not a momentum coefficient. From SGD's settings:
-  ``h, gamma = cola.sgd_momentum_to_langevin(1e-3, 0.9)``, then
-  ``friction=gamma``. Parameters off their manifold are put on it by the
-  first update (call :func:`~cola_jax.project_params` to start there).
+  In optax's terms: ``o_cola_ud(1e-3, momentum=0.9)`` is, at temperature 0 on
+  free leaves, ``optax.sgd(1e-3, momentum=0.9)``. With ``friction=``
+  instead the arguments are the Langevin ones (the paper's): ``learning_rate``
+  is the step ``h`` (SGD's learning rate is ``h**2``) and ``friction`` the rate
+  ``gamma`` (SGD's momentum is ``exp(-gamma h)``), so ``o_cola_ud(1e-3,
+  friction=0.9)`` is *not* SGD-m with momentum 0.9. Parameters off their
+  manifold are put on it by the first update (call
+  :func:`~cola_jax.project_params` to start there).
 
   Args:
-    learning_rate: the step size ``h > 0`` (SGD-m's learning rate is ``h**2``),
-      a number or an optax schedule.
+    learning_rate: with ``friction``, the step size ``h > 0`` (SGD-m's learning
+      rate is ``h**2``); with ``momentum``, optax.sgd's learning rate. A number
+      or an optax schedule.
     friction: the friction rate ``gamma >= 0`` (SGD-m's momentum is
-      ``exp(-gamma h)``; ``gamma = 0`` keeps all momentum).
+      ``exp(-gamma h)``; ``gamma = 0`` keeps all momentum). Give it or ``momentum``.
+    momentum: instead of ``friction``, optax.sgd's momentum coefficient in
+      ``[0, 1]``; ``learning_rate`` is then optax.sgd's learning rate ``h**2``
+      (see :func:`cola_jax.cola_ud`).
     mask: which leaves are constrained (pytree of bools or callable); default:
       every leaf with ``ndim >= 2``, the first and last layers included (the
       paper keeps them free), which a ``UserWarning`` naming those leaves
@@ -477,6 +490,7 @@ def o_cola_ud(
     return cola_ud(
       learning_rate,
       friction=friction,
+      momentum=momentum,
       constraints=constraints,
       temperature=temperature,
       key=key,

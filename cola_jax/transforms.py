@@ -224,7 +224,7 @@ def _after_gradient(grad: jax.Array, tree):
   point on the manifold: a normalised slack, a square root, a projection)
   would otherwise run before the forward pass and stay in memory through the
   backward pass: up to twice the constrained weights' bytes on a 12-block
-  transformer (``benchmarks/update_memory.py``). Elsewhere (a slice of a
+  transformer (``benchmarks/cost/update_memory.py``). Elsewhere (a slice of a
   sharded gradient would move data between devices) the tree is returned as
   it is.
   """
@@ -236,7 +236,7 @@ def _stacking_pays() -> bool:
 
   There a batched product is no faster than separate ones, and a batched loop
   runs until its slowest member converges (measured slower, see
-  ``benchmarks/stiefel_projection.py``).
+  ``benchmarks/cost/stiefel_projection.py``).
   """
   return jax.default_backend() != "cpu"
 
@@ -348,10 +348,29 @@ def cola_od(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
+def _momentum_or_friction(owner: str, friction, momentum) -> bool:
+  """Checks that exactly one of ``friction`` and ``momentum`` is given; True for ``momentum`` (optax.sgd's terms)."""
+  if (friction is None) == (momentum is None):
+    raise TypeError(
+      f"{owner}: give momentum= (optax.sgd's coefficient, with learning_rate as optax.sgd's: "
+      f"{owner}(1e-3, momentum=0.9) is optax.sgd(1e-3, momentum=0.9) on free leaves) or friction= "
+      f"(the Langevin rate gamma, with learning_rate the step h), "
+      + ("not both." if friction is not None else "got neither.")
+    )
+  name, value = ("friction", friction) if momentum is None else ("momentum", momentum)
+  if callable(value):
+    raise TypeError(f"{owner}: {name} must be a number, not a schedule.")
+  check_nonnegative(owner, name, value)
+  if momentum is not None and not float(momentum) <= 1:
+    raise ValueError(f"{owner}: momentum must be in [0, 1] (optax.sgd's coefficient), got {momentum!r}.")
+  return momentum is not None
+
+
 def cola_ud(
   learning_rate: optax.ScalarOrSchedule,
   *,
-  friction: float,
+  friction: float | None = None,
+  momentum: float | None = None,
   constraints: ConstraintSpec = None,
   temperature: optax.ScalarOrSchedule = 0.0,
   key: jax.Array | None = None,
@@ -360,13 +379,13 @@ def cola_ud(
 ) -> optax.GradientTransformationExtraArgs:
   r"""Constrained underdamped Langevin dynamics (CoLA-ud), OBA or BAOAB splitting.
 
-  In optax's terms: at temperature 0, on free leaves, this is
-  ``optax.sgd(h**2, momentum=exp(-friction * h))`` with ``h =
-  learning_rate``: ``learning_rate`` is the *square root* of SGD's, and
-  ``friction`` a rate, not a momentum coefficient. From SGD's settings:
-  ``h, gamma = cola.sgd_momentum_to_langevin(1e-3, 0.9)``, then
-  ``friction=gamma``. Parameters off their manifold are put on it by the
-  first update (call :func:`~cola_jax.project_params` to start there).
+  In optax's terms: ``cola_ud(1e-3, momentum=0.9)`` is, at temperature 0
+  on free leaves, ``optax.sgd(1e-3, momentum=0.9)``. With ``friction=``
+  instead, the arguments are the Langevin ones: ``learning_rate`` is the step
+  ``h`` (SGD's learning rate is ``h**2``) and ``friction`` the rate ``gamma``
+  (SGD's momentum is ``exp(-gamma h)``), so ``cola_ud(1e-3, friction=0.9)``
+  is *not* SGD-m with momentum 0.9. Parameters off their manifold are put on
+  it by the first update (call :func:`~cola_jax.project_params` to start there).
 
   Positions ``q`` (with slack variables) and momenta ``p`` in the cotangent
   space of the manifold advance by
@@ -383,10 +402,16 @@ def cola_ud(
   :func:`~cola_jax.sgd_momentum_to_langevin`).
 
   Args:
-    learning_rate: the step size ``h > 0`` (SGD-m's learning rate is ``h**2``),
-      a number or an optax schedule.
+    learning_rate: with ``friction``, the step size ``h > 0``; with
+      ``momentum``, optax.sgd's learning rate ``h**2``. A number or an optax
+      schedule.
     friction: the friction rate ``gamma >= 0`` (SGD-m's momentum is
-      ``exp(-gamma h)``; ``gamma = 0`` keeps all momentum).
+      ``exp(-gamma h)``; ``gamma = 0`` keeps all momentum). Give it or
+      ``momentum``.
+    momentum: optax.sgd's momentum coefficient in ``[0, 1]``, instead of
+      ``friction``: the O step then keeps this fraction of the momentum at
+      every step (``gamma = -log(momentum) / h``), with ``h =
+      sqrt(learning_rate)``.
     constraints: as for :func:`cola_od`.
     temperature: ``tau >= 0``, a number or an optax schedule. Exactly ``0``
       draws no noise at all.
@@ -424,9 +449,7 @@ def cola_ud(
     Neural Networks*, OPT2020 (Sec. 3, Appendix B).
   """
   owner = caller("cola_ud")
-  if callable(friction):
-    raise TypeError(f"{owner}: friction must be a number, not a schedule.")
-  check_nonnegative(owner, "friction", friction)
+  from_sgd = _momentum_or_friction(owner, friction, momentum)
   noisy = _check_hyperparameters(owner, learning_rate, temperature, key)
   if splitting not in _SPLITTINGS:
     raise ValueError(f"{owner}: splitting must be one of {_SPLITTINGS}, got {splitting!r}.")
@@ -455,8 +478,11 @@ def cola_ud(
     auxes = layout.flatten(state.constraint_states, "state.constraint_states")
     momenta = layout.flatten(state.momentum, "state.momentum")
     layout.check_state(auxes, momenta)
-    h = _step_size_at(learning_rate, state.count)
-    decay = jnp.exp(-friction * h)
+    if from_sgd:
+      h, decay = jnp.sqrt(_step_size_at(learning_rate, state.count)), jnp.asarray(momentum, jnp.float32)
+    else:
+      h = _step_size_at(learning_rate, state.count)
+      decay = jnp.exp(-friction * h)
     noise_scale = jnp.sqrt(_temperature_at(temperature, state.count) * (1 - decay * decay)) if noisy else None
     next_key, leaf_keys = _step_keys(state.key, noisy, len(layout.params))
 

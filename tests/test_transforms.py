@@ -76,6 +76,34 @@ def test_mapped_hyperparameters_reproduce_sgd_momentum(mlp_problem):
   assert_trees_close(ours, reference, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_momentum_takes_optax_sgds_settings(mlp_problem, momentum):
+  """``momentum=`` reads learning_rate and momentum as optax.sgd does: the newcomer's spelling is SGD-m."""
+  params, loss = mlp_problem
+  ours, _ = run(cola.cola_ud(0.05, momentum=momentum), params, loss, 100)
+  reference, _ = run(optax.sgd(0.05, momentum=momentum), params, loss, 100)
+  assert_trees_close(ours, reference, rtol=1e-5, atol=1e-6)
+  free = lambda params: None  # every leaf free
+  ours, _ = run(cola.o_cola_ud(0.05, momentum=momentum, constraints=free), params, loss, 20)
+  reference, _ = run(optax.sgd(0.05, momentum=momentum), params, loss, 20)
+  assert_trees_close(ours, reference, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+  "kwargs, error, match",
+  [
+    ({}, TypeError, "give momentum= .* got neither"),
+    ({"friction": 1.0, "momentum": 0.9}, TypeError, "not both"),
+    ({"momentum": 1.5}, ValueError, r"momentum must be in \[0, 1\]"),
+    ({"momentum": optax.constant_schedule(0.9)}, TypeError, "momentum must be a number"),
+  ],
+)
+def test_friction_or_momentum(kwargs, error, match):
+  for make in (cola.cola_ud, cola.o_cola_ud, lambda lr, **kw: cola.c_cola_ud(lr, radius=1.0, **kw)):
+    with pytest.raises(error, match=match):
+      make(0.1, **kwargs)
+
+
 # Keys and determinism.
 
 NOISY = {
