@@ -161,7 +161,7 @@ def circle_constraints(radius: RadiusSpec, *, mask: MaskOrFn = None, owner: str 
     >>> constraints(params)  # b (ndim 1) is free
     {'b': None, 'w': Circle(radius=0.1)}
     >>> cola.project_params(params, constraints)['w']
-    Array([[ 0.1 , -0.02], [ 0.  ,  0.01]], dtype=float32)
+    Array([[ 0.099, -0.02 ], [ 0.   ,  0.01 ]], dtype=float32)
   """
 
   owner = _owner("circle_constraints", owner)

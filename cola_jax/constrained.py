@@ -42,9 +42,9 @@ class ConstrainedState(NamedTuple):
   Example:
     >>> import jax.numpy as jnp, optax, cola_jax as cola
     >>> tx = cola.constrained(optax.sgd(0.1, momentum=0.9), constraints=cola.Circle(0.5))
-    >>> tx.init(jnp.array([0.3, 0.5]))  # SGD's trace; the slack of |w| <= 0.5
+    >>> tx.init(jnp.array([0.3, 0.0]))  # SGD's trace; the slack of |w| <= 0.5
     ConstrainedState(inner_state=(TraceState(trace=Array([0., 0.], dtype=float32)), EmptyState()),
-                     constraint_states=CircleState(slack=Array([0.4, 0. ], dtype=float32),
+                     constraint_states=CircleState(slack=Array([0.4, 0.5], dtype=float32),
                                                    radius=Array(0.5, dtype=float32)))
   """
 

@@ -29,7 +29,7 @@ def project_params(params: Any, constraints: ConstraintSpec) -> Any:
     >>> import jax.numpy as jnp, cola_jax as cola
     >>> params = {'w': jnp.array([[2.0, 0.0], [0.0, 0.5]]), 'b': jnp.array([3.0, -0.5]), 'free': jnp.ones(2)}
     >>> cola.project_params(params, {'w': cola.Orthogonal(), 'b': cola.Circle(1.0), 'free': None})
-    {'b': Array([ 1. , -0.5], dtype=float32), 'free': Array([1., 1.], dtype=float32),
+    {'b': Array([ 0.99, -0.5 ], dtype=float32), 'free': Array([1., 1.], dtype=float32),
      'w': Array([[1., 0.], [0., 1.]], dtype=float32)}
   """
   layout = LeafLayout("project_params", constraints, params)

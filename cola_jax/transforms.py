@@ -47,9 +47,9 @@ class OverdampedState(NamedTuple):
   Example:
     >>> import jax.numpy as jnp, cola_jax as cola
     >>> tx = cola.cola_od(0.1, constraints=cola.Circle(0.5))
-    >>> tx.init(jnp.array([0.3, 0.5]))  # the slack of |w| <= 0.5: sqrt(0.5**2 - w**2)
+    >>> tx.init(jnp.array([0.3, 0.0]))  # the slack of |w| <= 0.5: sqrt(0.5**2 - w**2)
     OverdampedState(count=Array(0, dtype=int32), key=None,
-                    constraint_states=CircleState(slack=Array([0.4, 0. ], dtype=float32),
+                    constraint_states=CircleState(slack=Array([0.4, 0.5], dtype=float32),
                                                   radius=Array(0.5, dtype=float32)))
   """
 

@@ -140,7 +140,9 @@ def test_unit_norm_axis_all_is_the_frobenius_sphere():
 
 def test_nearest_points():
   w = jnp.array([-1.0, -0.2, 0.0, 0.3, 0.9, 2.0])
-  np.testing.assert_array_equal(cola.Box(-0.1, 0.5).nearest(w), jnp.clip(w, -0.1, 0.5))
+  # Entries more than 1 % of the half-width r = 0.3 inside stay (to rounding); the others start 0.01 r inside.
+  expected = np.clip(np.asarray(w), -0.1 + 0.003, 0.5 - 0.003)
+  np.testing.assert_allclose(cola.Box(-0.1, 0.5).nearest(w), expected, atol=3e-8)
   np.testing.assert_array_equal(cola.NonNegative().nearest(w), jnp.maximum(w, 0.0))
   state = cola.NonNegative().init(w)
   np.testing.assert_allclose(state.slack, np.sqrt(np.maximum(w, 0)), rtol=1e-7)
@@ -679,3 +681,34 @@ def test_non_negative_with_quadratic_potential_samples_the_derived_density(metho
   # Power: the law without the arc-length factor, and exp(-V/tau) on w >= 0.
   assert _ks(w, _non_negative_cdf(k, c, tau, arc_length=False), "w without sqrt(1+4w) (wrong)").pvalue < REJECT
   assert _ks(w, _gibbs_on_half_line_cdf(k, c, tau), "exp(-V/tau) on w >= 0 (wrong)").pvalue < REJECT
+
+
+@pytest.mark.parametrize(
+  "make, constraint, start, inside, below",
+  [
+    (lambda: cola.c_cola_od(0.1, radius=0.1), cola.Circle(0.1), 0.3, 0.099, 0.095),
+    (lambda: cola.c_cola_ud(0.1, momentum=0.0, radius=0.1), cola.Circle(0.1), 0.3, 0.099, 0.095),
+    (lambda: cola.cola_od(0.1, constraints=cola.MaxNorm(0.1, axis="all")), None, 0.3, 0.099, 0.095),
+    (lambda: cola.cola_od(0.1, constraints=cola.Box(-0.1, 0.1)), cola.Box(-0.1, 0.1), 0.3, 0.099, 0.095),
+  ],
+)
+def test_a_weight_beyond_its_bound_leaves_it_as_fast_as_one_just_inside(make, constraint, start, inside, below):
+  """At the bound the slack is 0 and the gradient has no tangent component: a weight put there would stay.
+
+  Under the loss ``0.1 sum(w**2)``: a weight started at 3 r and one started at 0.99 r both start at 0.99 r.
+  """
+
+  def steps_to_fall(w0):
+    tx, params = make(), jnp.array([[w0, 0.0]])  # a kernel: the presets constrain ndim >= 2
+    state = tx.init(params)
+    for step in range(1, 400):
+      updates, state = tx.update(0.2 * params, state, params)
+      params = optax.apply_updates(params, updates)
+      if jnp.abs(params[0, 0]) < below:
+        return step
+    return 400
+
+  beyond, just_inside = steps_to_fall(start), steps_to_fall(inside)
+  assert just_inside < 100 and beyond <= just_inside + 2  # (the first gradient, taken at 3 r, is larger)
+  if constraint is not None:
+    assert float(constraint.nearest(jnp.array([start]))[0]) == pytest.approx(0.99 * 0.1, rel=1e-6)

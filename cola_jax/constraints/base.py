@@ -39,7 +39,7 @@ class Constraint(abc.ABC):
     >>> w = circle.nearest(jnp.array([0.7, -0.2]))  # the leaf on the manifold
     >>> aux = circle.init(w)  # its auxiliary state
     >>> w, float(aux.residual(w))
-    (Array([ 0.5, -0.2], dtype=float32), 0.0)
+    (Array([ 0.495, -0.2  ], dtype=float32), 0.0)
   """
 
   # Whether the transforms step leaves of one shape together under ``vmap``:

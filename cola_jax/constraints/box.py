@@ -53,8 +53,8 @@ class BoxState(NamedTuple):
   Example:
     >>> import jax.numpy as jnp, cola_jax as cola
     >>> tx = cola.cola_od(0.1, constraints=cola.Box(0.0, 0.2))
-    >>> tx.init(jnp.array([0.1, 0.2])).constraint_states  # (w - 0.1)**2 + slack**2 = 0.1**2
-    BoxState(slack=Array([0.1, 0. ], dtype=float32), center=Array(0.1, dtype=float32),
+    >>> tx.init(jnp.array([0.1, 0.16])).constraint_states  # (w - 0.1)**2 + slack**2 = 0.1**2
+    BoxState(slack=Array([0.1 ..., 0.08...], dtype=float32), center=Array(0.1, dtype=float32),
              radius=Array(0.1, dtype=float32))
   """
 
@@ -90,8 +90,9 @@ class Box(Constraint):
     lower: the lower bound, a finite scalar (the same for every entry).
     upper: the upper bound, a finite scalar ``> lower``.
 
-  Weights that start outside ``[lower, upper]`` are clipped onto it by the
-  first update; the slack starts at ``+sqrt(r^2 - (w - c)^2)``. Bounds are
+  The slack starts at ``+sqrt(r^2 - (w - c)^2)``, except that a weight that
+  starts beyond a bound, at it or within ``0.01 r`` of it starts ``0.01 r``
+  inside (as for :class:`Circle`: at a bound it would not move). Bounds are
   scalars; per-entry bounds (arrays) are a ValueError. See the module
   docstring for the geometry and the invariant law (the arcsine law between
   the bounds without a loss).
@@ -99,7 +100,7 @@ class Box(Constraint):
   Example:
     >>> import jax.numpy as jnp, cola_jax as cola
     >>> cola.Box(0.0, 0.2).nearest(jnp.array([-1.0, 0.1, 0.5]))  # where the first update starts
-    Array([0. , 0.1, 0.2], dtype=float32)
+    Array([0.001, 0.1  , 0.199], dtype=float32)
     >>> # Non-negative weights below 0.2; biases free.
     >>> tx = cola.cola_ud(0.3, friction=1.0,
     ...                   constraints={'w': cola.Box(0.0, 0.2), 'b': None})
@@ -128,12 +129,6 @@ class Box(Constraint):
 
   def _shift(self, dtype):
     return jnp.asarray(self._center, dtype)
-
-  def nearest(self, param):
-    """``param`` clipped to ``[lower, upper]`` (an in-range entry stays as it is); ``inf`` gives NaN."""
-    dtype = param.dtype
-    inside = jnp.clip(param, jnp.asarray(self.lower, dtype), jnp.asarray(self.upper, dtype))
-    return jnp.where(jnp.isinf(param), jnp.nan, inside)
 
   def init(self, param):
     state = self._circle.init(param - self._shift(param.dtype))

@@ -36,6 +36,7 @@ References:
 """
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
@@ -60,8 +61,8 @@ class CircleState(NamedTuple):
   Example:
     >>> import jax.numpy as jnp, cola_jax as cola
     >>> tx = cola.cola_od(0.1, constraints=cola.Circle(0.5))
-    >>> tx.init(jnp.array([0.3, 0.5])).constraint_states  # w**2 + slack**2 = 0.5**2
-    CircleState(slack=Array([0.4, 0. ], dtype=float32), radius=Array(0.5, dtype=float32))
+    >>> tx.init(jnp.array([0.3, 0.0])).constraint_states  # w**2 + slack**2 = 0.5**2
+    CircleState(slack=Array([0.4, 0.5], dtype=float32), radius=Array(0.5, dtype=float32))
   """
 
   slack: jax.Array  # xi, shaped like the weight
@@ -77,6 +78,21 @@ class CircleState(NamedTuple):
     return jnp.maximum(on_circle, outside)
 
 
+START_INSIDE = 0.99  # a bounded weight (or unit) starts at most at this fraction of its bound
+_START_TAN = math.sqrt(1 - START_INSIDE**2) / START_INSIDE
+
+
+def start_slack(r: jax.Array, squared: jax.Array) -> jax.Array:
+  """The slack of a weight or unit of squared magnitude ``squared <= r^2`` at its first update.
+
+  ``sqrt(r^2 - squared)``, but at least ``|w| tan(phi)`` with ``cos(phi) =
+  START_INSIDE``: the pair ``(w, xi)`` then lands, radially, at most at
+  ``START_INSIDE r`` (exactly there from the bound or beyond it), and a weight
+  already there keeps its slack.
+  """
+  return jnp.sqrt(jnp.maximum(r * r - squared, _START_TAN**2 * squared))
+
+
 @dataclasses.dataclass(frozen=True)
 class Circle(Constraint):
   """``|theta| <= radius`` entrywise, as ``theta^2 + xi^2 = radius^2``.
@@ -84,13 +100,16 @@ class Circle(Constraint):
   Args:
     radius: the bound ``r > 0`` on each entry of the leaf.
 
-  Weights that start outside ``[-r, r]`` are clipped onto it by the first
-  update; the slack starts at ``+sqrt(r^2 - theta^2)``.
+  The slack starts at ``+sqrt(r^2 - theta^2)``, except that a weight that
+  starts beyond the bound, at it, or within 1 % of it starts at ``+-0.99 r``
+  (:func:`start_slack`). At the bound itself the
+  slack is 0 and the circle's tangent is the slack's direction, where the
+  gradient has no component: a weight put there would barely move.
 
   Example:
     >>> import jax.numpy as jnp, cola_jax as cola
-    >>> cola.Circle(0.1).nearest(jnp.array([0.3, -0.05]))  # where the first update starts
-    Array([ 0.1 , -0.05], dtype=float32)
+    >>> cola.Circle(0.1).nearest(jnp.array([0.3, -0.05, 0.1]))  # where the first update starts
+    Array([ 0.099, -0.05 ,  0.099], dtype=float32)
     >>> tx = cola.cola_ud(0.3, friction=1.0,
     ...                   constraints={'w': cola.Circle(0.1), 'b': None})
   """
@@ -105,7 +124,7 @@ class Circle(Constraint):
   def init(self, param):
     r = jnp.asarray(self.radius, param.dtype)
     theta = jnp.clip(param, -r, r)
-    return CircleState(slack=jnp.sqrt(jnp.maximum(r * r - theta * theta, 0)), radius=r)
+    return CircleState(slack=start_slack(r, theta * theta), radius=r)
 
   def point(self, param, aux):
     r = jnp.asarray(self.radius, param.dtype)

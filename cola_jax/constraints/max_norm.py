@@ -87,6 +87,7 @@ from cola_jax._numerics import (
   with_sincos,
 )
 from cola_jax.constraints.base import Constraint
+from cola_jax.constraints.circle import start_slack
 
 # Unpack keeps |w_j|^2 <= r^2 (1 - _MARGIN eps) so that norms recomputed in
 # another summation order (or in float64) do not exceed r: a relative change of
@@ -189,9 +190,11 @@ class MaxNorm(Constraint):
       the circle); pass ``axis=0`` or ``"all"`` to bound the norm of the whole
       vector.
 
-  Units with ``|w_j| > r`` are scaled onto the ball's boundary by the first
-  update (their slack starts at 0); the others start with
-  ``xi_j = +sqrt(r^2 - |w_j|^2)``. The slack (``MaxNormState.slack``) keeps the
+  The slack starts at ``xi_j = +sqrt(r^2 - |w_j|^2)``, except that a unit
+  that starts beyond the ball, on its boundary or within 1 % of it starts at
+  ``|w_j| = 0.99 r`` in its own direction (on the boundary
+  the slack is 0 and the gradient has no component along the tangent that
+  leaves it, as for :class:`Circle`). The slack (``MaxNormState.slack``) keeps the
   reduced axes with size 1, e.g. ``(1, out)`` for a Dense kernel. The momentum
   of ``cola_ud`` is stored shaped like the leaf, as coordinates in a frame
   transported from the pole (see the module docstring).
@@ -199,16 +202,16 @@ class MaxNorm(Constraint):
   Example:
     >>> import jax.numpy as jnp, cola_jax as cola
     >>> kernel = jnp.array([[3.0, 0.3], [4.0, 0.4]])  # columns of norm 5 and 0.5
-    >>> cola.MaxNorm(1.0).nearest(kernel).round(3)  # where the first update starts
-    Array([[0.6, 0.3], [0.8, 0.4]], dtype=float32)
+    >>> cola.MaxNorm(1.0).nearest(kernel).round(3)  # where the first update starts: 0.99 inside
+    Array([[0.594..., 0.3 ...], [0.792..., 0.4 ...]], dtype=float32)
     >>> tx = cola.cola_ud(0.3, friction=1.0,
     ...                   constraints={'kernel': cola.MaxNorm(1.0), 'bias': None})
 
     The whole matrix as one unit, ``|W|_F <= 1``:
 
     >>> w = jnp.array([[3.0, 0.0], [0.0, 4.0]])  # Frobenius norm 5
-    >>> cola.MaxNorm(1.0, axis="all").nearest(w).round(3)
-    Array([[0.6, 0. ], [0. , 0.8]], dtype=float32)
+    >>> cola.MaxNorm(1.0, axis="all").nearest(w).round(3)  # to 0.99 of the bound
+    Array([[0.594..., 0. ...], [0. ..., 0.792...]], dtype=float32)
   """
 
   radius: float
@@ -251,7 +254,7 @@ class MaxNorm(Constraint):
     r = jnp.asarray(self.radius, param.dtype)
     w = self._into_ball(param, r)
     norm2 = self._dot(w, w)
-    return MaxNormState(slack=jnp.sqrt(jnp.maximum(r * r - norm2, 0)), radius=r)
+    return MaxNormState(slack=start_slack(r, norm2), radius=r)
 
   def _into_ball(self, w, r):
     """Units with ``|w_j| > r`` scaled radially onto ``|w_j| = r``.
