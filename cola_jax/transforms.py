@@ -450,6 +450,7 @@ def cola_ud(
   """
   owner = caller("cola_ud")
   from_sgd = _momentum_or_friction(owner, friction, momentum)
+  gamma = 0.0 if friction is None else friction
   noisy = _check_hyperparameters(owner, learning_rate, temperature, key)
   if splitting not in _SPLITTINGS:
     raise ValueError(f"{owner}: splitting must be one of {_SPLITTINGS}, got {splitting!r}.")
@@ -482,7 +483,7 @@ def cola_ud(
       h, decay = jnp.sqrt(_step_size_at(learning_rate, state.count)), jnp.asarray(momentum, jnp.float32)
     else:
       h = _step_size_at(learning_rate, state.count)
-      decay = jnp.exp(-friction * h)
+      decay = jnp.exp(-gamma * h)
     noise_scale = jnp.sqrt(_temperature_at(temperature, state.count) * (1 - decay * decay)) if noisy else None
     next_key, leaf_keys = _step_keys(state.key, noisy, len(layout.params))
 
