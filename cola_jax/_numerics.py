@@ -205,7 +205,7 @@ def angle_gate_as_select() -> bool:
 
   Off XLA:CPU: there the host would read the gate's test before going on, and
   the exact path fused into the same elementwise pass costs nothing measurable
-  (c-CoLA-ud on an H200, ``benchmarks/accelerator_loops.py``). Decided by
+  (c-CoLA-ud on an H200, ``results/gpu/cost/accelerator_loops.json``). Decided by
   ``jax.default_backend()`` when the step is traced.
   """
   return jax.default_backend() != "cpu"

@@ -1,7 +1,5 @@
-import importlib.util
+import importlib
 import os
-import pathlib
-import sys
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
@@ -91,14 +89,5 @@ def cnn_problem():
 
 @pytest.fixture(scope="session")
 def load_benchmark():
-  """Loads ``benchmarks/NAME.py`` as a module (the scripts are not a package)."""
-
-  def load(name):
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # as an import would: Flax dataclasses look themselves up there
-    spec.loader.exec_module(module)
-    return module
-
-  return load
+  """Imports ``benchmarks.NAME`` (``"paper.spiral"``, ``"cost.scale"``): the scripts' package, from the clone."""
+  return lambda name: importlib.import_module(f"benchmarks.{name}")

@@ -1,4 +1,4 @@
-"""benchmarks/demo.py, the README's first command (results/demo.json is its committed run), at a tiny size."""
+"""benchmarks/paper/demo.py, the README's first command (results/paper/demo.json: its committed run), at a tiny size."""
 
 import json
 
@@ -7,7 +7,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def demo(load_benchmark):
-  return load_benchmark("demo")
+  return load_benchmark("paper.demo")
 
 
 def test_tiny_run_prints_the_table_and_where_the_files_went(demo, tmp_path, capsys):

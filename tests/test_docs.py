@@ -7,9 +7,11 @@ on the page's namespace after that block (``CLAIMS``). The site itself is built 
 (``python -m sphinx -W``).
 """
 
+import importlib.util
 import json
 import pathlib
 import re
+import runpy
 import sys
 
 import jax
@@ -147,8 +149,8 @@ def test_readme_is_a_landing_page_whose_links_work_from_the_wheel():
 
 
 def test_demo_numbers_are_those_of_the_committed_run():
-  """docs/reproductions.md quotes results/demo.json, and names the versions that made it."""
-  run = json.loads((ROOT / "results" / "demo.json").read_text())
+  """docs/reproductions.md quotes results/paper/demo.json, and names the versions that made it."""
+  run = json.loads((ROOT / "results" / "paper" / "demo.json").read_text())
   page = (DOCS / "reproductions.md").read_text()
   for name, label in run["methods"].items():
     row = re.search(rf"^\| {re.escape(label)} \| (.*) \|$", page, flags=re.MULTILINE)
@@ -211,6 +213,21 @@ def test_coverage_check_names_the_missing_entries():
   documented = {f"cola_jax.{name}" for name in cola_jax.__all__}
   assert coverage_check.missing_entries(cola_jax, documented) == []
   assert coverage_check.missing_entries(cola_jax, documented - {"cola_jax.Orthogonal"}) == ["Orthogonal"]
+
+
+def test_the_site_serves_its_own_mathjax(monkeypatch):
+  """The maths render with the site opened from disk and no network: MathJax is loaded from the site's _static/
+  (copied there by sphinx-mathjax-offline, the docs extra), never from an address."""
+  monkeypatch.setattr(sys, "path", list(sys.path))  # conf.py puts the clone and docs/ext on it
+  conf = runpy.run_path(str(DOCS / "conf.py"))
+  assert "sphinx.ext.mathjax" in conf["extensions"] and "sphinx-mathjax-offline" in conf["extensions"]
+  path = conf.get("mathjax_path", "")
+  assert path.endswith(".js") and not re.match(r"^([a-z]+:)?//", path), path
+  package = importlib.util.find_spec("sphinx-mathjax-offline")
+  if package is None:
+    pytest.skip("the docs extra is not installed")
+  # The package copies its static/mathjax/ to the site's _static/mathjax/.
+  assert (pathlib.Path(package.origin).parent / "static" / path).is_file(), path
 
 
 def test_the_development_page_lists_every_module():

@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/fashion_mnist.py, the Fashion-MNIST experiment (paper Fig. 5).
+"""Smoke test of benchmarks/paper/fashion_mnist.py, the Fashion-MNIST experiment (paper Fig. 5).
 
 Runs without the Debian package ``dataset-fashion-mnist``: ``--smoke`` falls
 back to a synthetic stand-in of the same shapes when the IDX files are missing.
@@ -18,7 +18,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def fm(load_benchmark):
-  return load_benchmark("fashion_mnist")
+  return load_benchmark("paper.fashion_mnist")
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,6 @@
 """benchmarks/harness: constraint declaration by path, the shared flags, and vmapped runs."""
 
 import argparse
-import pathlib
-import sys
 
 import jax
 import numpy as np
@@ -10,9 +8,7 @@ import optax
 import pytest
 
 import cola_jax as cola
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-from harness import cli, data, models, train
+from benchmarks.harness import cli, data, models, train
 
 
 def test_mlp_paths_declare_constraints_first_rule_first():

@@ -2,8 +2,6 @@
 language model, its training loop and its results."""
 
 import math
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,8 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-from harness import lm, perplexity, text, transformer
+from benchmarks.harness import lm, perplexity, text, transformer
 
 TINY = transformer.TransformerLM(23, d_model=16, n_heads=2, d_ff=12, n_layers=2)
 

@@ -1,8 +1,6 @@
 """benchmarks/harness for convolutional models: image data, Flax CNNs, step decay, stepwise training."""
 
-import pathlib
 import pickle
-import sys
 
 import jax
 import numpy as np
@@ -10,8 +8,7 @@ import optax
 import pytest
 from flax import linen as nn
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-from harness import data, images, schedules, stepwise, vision
+from benchmarks.harness import data, images, schedules, stepwise, vision
 
 
 def test_cifar10_readers(tmp_path):

@@ -179,7 +179,7 @@ def test_aliases_pass_the_momentum_dtype_on():
 
 @pytest.mark.slow
 def test_state_bytes_script_counts_four_bytes_per_slack_and_momentum(load_benchmark, tmp_path):
-  script = load_benchmark("mixed_precision_state")
+  script = load_benchmark("cost.mixed_precision_state")
   report = script.main(["--out", str(tmp_path)])
   bf16 = next(entry for entry in report["results"] if entry["param_dtype"] == "bfloat16")
   rows = {row["method"]: row for row in bf16["rows"]}

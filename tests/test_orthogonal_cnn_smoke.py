@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/orthogonal_cnn.py: o-CoLA-ud with orthogonal conv kernels vs SGD-m.
+"""Smoke test of benchmarks/paper/orthogonal_cnn.py: o-CoLA-ud with orthogonal conv kernels vs SGD-m.
 
 The small CNN runs ``--smoke --synthetic`` (no data files needed); the ResNet
 only builds and takes one o-CoLA-ud step at width 4 (compiling a ResNet-18 is
@@ -7,24 +7,20 @@ what costs time on a CPU). The harness pieces it uses are tested in test_harness
 
 import json
 import math
-import pathlib
-import sys
 
 import jax
 import numpy as np
 import pytest
 
 import cola_jax as cola
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-from harness import images, models, schedules, stepwise, vision
+from benchmarks.harness import images, models, schedules, stepwise, vision
 
 CONSTRAINED = {"conv1/kernel", "conv2/kernel"}
 
 
 @pytest.fixture(scope="module")
 def oc(load_benchmark):
-  return load_benchmark("orthogonal_cnn")
+  return load_benchmark("paper.orthogonal_cnn")
 
 
 @pytest.fixture(scope="module")

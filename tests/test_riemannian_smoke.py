@@ -8,7 +8,7 @@ import pytest
 @pytest.mark.slow  # a benchmark run; the optimizer's mathematics is tested in test_constrained.py
 def test_smoke_run_writes_the_documented_report(load_benchmark, tmp_path):
   pytest.importorskip("matplotlib")
-  bench = load_benchmark("riemannian")
+  bench = load_benchmark("comparisons.riemannian")
   report = bench.main(["--smoke", "--out", str(tmp_path)])
   assert json.loads((tmp_path / "riemannian.json").read_text()) == json.loads(json.dumps(report))
   assert (tmp_path / "riemannian.png").stat().st_size > 0

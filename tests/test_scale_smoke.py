@@ -12,7 +12,12 @@ import pytest
 
 @pytest.fixture(scope="module")
 def scale(load_benchmark):
-  return load_benchmark("scale")
+  return load_benchmark("cost.scale")
+
+
+@pytest.fixture(scope="module")
+def scale_report(load_benchmark):
+  return load_benchmark("cost.scale_report")
 
 
 # Two families (od and ud, with and without noise) and every family, both under slow: the quick suite
@@ -24,7 +29,7 @@ def scale(load_benchmark):
     pytest.param(None, id="all", marks=pytest.mark.slow),
   ],
 )
-def test_smoke_run_writes_the_documented_report(scale, tmp_path, families):
+def test_smoke_run_writes_the_documented_report(scale, scale_report, tmp_path, families):
   pytest.importorskip("matplotlib")
   returned = scale.main(
     ["--smoke", "--quiet", "--out", str(tmp_path), *(["--families", *families] if families else [])]
@@ -34,7 +39,7 @@ def test_smoke_run_writes_the_documented_report(scale, tmp_path, families):
   with open(tmp_path / "scale.json") as f:
     report = json.load(f)
   assert (tmp_path / "scale.png").stat().st_size > 0
-  assert set(scale.TOP_KEYS) <= set(report)
+  assert set(scale_report.TOP_KEYS) <= set(report)
   assert report["results"] == json.loads(json.dumps(returned["results"]))
   assert {"command", "argv", "date", "machine", "versions"} <= set(report["meta"])
   assert report["config"]["smoke"] is True
@@ -46,9 +51,9 @@ def test_smoke_run_writes_the_documented_report(scale, tmp_path, families):
   assert {r["family"] for r in noisy} == set(families)
   assert {r["dynamics"] for r in noisy} == set(scale.DYNAMICS)
   for record in report["results"]:
-    assert set(scale.RESULT_KEYS) <= set(record)
+    assert set(scale_report.RESULT_KEYS) <= set(record)
     for size in ("small", "large"):
-      for key in scale.BATCH_KEYS:
+      for key in scale_report.BATCH_KEYS:
         assert math.isfinite(record[size][key]) and record[size][key] >= 0, (record["name"], size, key)
 
   # State bytes follow from the methods: SGD-m keeps one momentum per parameter, Adam two.
@@ -118,7 +123,7 @@ def test_merge_joins_runs_that_split_the_families_each_against_its_own_sgd_m(sca
 
 
 def test_update_memory_counts_the_kernels_that_compile_time_follows(load_benchmark, tmp_path):
-  update_memory = load_benchmark("update_memory")
+  update_memory = load_benchmark("cost.update_memory")
   update_memory.main(
     ["--smoke", "--setting", "leaves", "--families", "circle", "orthogonal", "--dynamics", "od", "--out", str(tmp_path)]
   )
@@ -132,78 +137,9 @@ def test_update_memory_counts_the_kernels_that_compile_time_follows(load_benchma
   assert 0 < results["sgd_m"]["fusions"] < results["od_circle"]["fusions"] < results["od_orthogonal"]["fusions"]
 
 
-@pytest.mark.parametrize("count", [1, 2, 3])
-def test_orthogonal_floor_appends_exactly_the_products_it_counts(load_benchmark, count):
-  """``sgd_m + k products``: k ``r s^2`` products per constrained block kernel, none elsewhere."""
-  import jax
-  import jax.numpy as jnp
-  import optax
-
-  floor = load_benchmark("orthogonal_floor")
-  params = {
-    "block_0": {"dense": {"kernel": jnp.ones((6, 4)), "bias": jnp.ones(4)}, "wide": {"kernel": jnp.ones((3, 5))}},
-    "decoder": {"kernel": jnp.ones((4, 7))},
-  }
-  tx = floor.with_products(count, optax.sgd(0.1, momentum=0.9))
-  update = lambda grads, state, params: tx.update(grads, state, params)[0]
-  jaxpr = jax.make_jaxpr(update)(params, tx.init(params), params)
-  shapes = [eqn.outvars[0].aval.shape for eqn in jaxpr.eqns if eqn.primitive.name == "dot_general"]
-  dense = [(4, 4) if i % 2 == 0 else (6, 4) for i in range(count)]  # M = Q^T X, then X - Q M
-  wide = [(3, 3) if i % 2 == 0 else (5, 3) for i in range(count)]  # the (3, 5) kernel's tall view is (5, 3)
-  assert sorted(shapes) == sorted(dense + wide)
-  assert floor.kernel_flops(params) == 6 * 4 * 4 + 5 * 3 * 3
-  updates = jax.jit(update)(params, tx.init(params), params)
-  assert jnp.array_equal(updates["decoder"]["kernel"], -0.1 * params["decoder"]["kernel"])
-
-
-@pytest.mark.slow
-def test_orthogonal_floor_smoke_run_writes_its_report(load_benchmark, tmp_path):
-  floor = load_benchmark("orthogonal_floor")
-  returned = floor.main(["--smoke", "--quiet", "--out", str(tmp_path)])
-  with open(tmp_path / "orthogonal_floor.json") as f:
-    report = json.load(f)
-  assert report["results"] == json.loads(json.dumps(returned["results"]))
-  names = [r["name"] for r in report["results"]]
-  assert names == [
-    "sgd_m + 1 products",
-    "sgd_m + 3 products",
-    "o_cola_od",
-    "o_cola_ud",
-    "o_cola_od_noisy",
-    "o_cola_ud_noisy",
-  ]
-  for record in report["results"]:
-    assert record["ratio"] > 0 and record["repetitions"] >= 1
-    iterations = record.get("projection_iterations")
-    assert (iterations is None) == (record["products"] is not None)
-    assert iterations is None or 0 <= iterations[0] <= iterations[1]
-
-
-@pytest.mark.slow
-def test_noise_lowering_smoke_run_writes_its_report_and_restores_jaxs_flags(load_benchmark, tmp_path):
-  import jax
-
-  bench = load_benchmark("noise_lowering")
-  flags = ("jax_threefry_partitionable", "jax_threefry_gpu_kernel_lowering")
-  before = {flag: getattr(jax.config, flag) for flag in flags}
-  returned = bench.main(["--smoke", "--out", str(tmp_path)])
-  assert {flag: getattr(jax.config, flag) for flag in flags} == before
-
-  with open(tmp_path / "noise_lowering.json") as f:
-    report = json.load(f)
-  assert report["rows"] == json.loads(json.dumps(returned["rows"]))
-  assert {"command", "argv", "date", "machine", "versions"} <= set(report["meta"])
-  rows = {r["name"]: r for r in report["rows"]}
-  assert list(rows) == [variant[0] for variant in bench.VARIANTS]
-  # The written-out hash is xor rounds in the compiled step, present only where noise is drawn.
-  assert rows["od_circle"]["xor_ops"] == 0 < rows["od_circle_noisy"]["xor_ops"]
-  for row in report["rows"]:
-    assert row["compile_s"] > 0 and row["ratio"] > 0 and row["temp_bytes"] >= 0
-
-
 @pytest.mark.slow
 def test_compile_cache_smoke_run_loads_each_step_in_the_second_process(load_benchmark, tmp_path):
-  bench = load_benchmark("compile_cache")
+  bench = load_benchmark("cost.compile_cache")
   returned = bench.main(["--smoke", "--families", "circle", "--dynamics", "od", "--out", str(tmp_path)])
 
   with open(tmp_path / "compile_cache.json") as f:
@@ -216,22 +152,3 @@ def test_compile_cache_smoke_run_loads_each_step_in_the_second_process(load_benc
     assert record["hit"]["cache_events"] == ["/jax/compilation_cache/cache_hits"], record["name"]
     assert record["miss"]["seed"] != record["hit"]["seed"]
     assert record["miss"]["compile_cpu_s"] > 0 and record["hit"]["compile_cpu_s"] > 0
-
-
-@pytest.mark.slow
-def test_compile_phases_smoke_run_splits_each_compile_into_xlas_phases(load_benchmark, tmp_path):
-  bench = load_benchmark("compile_phases")
-  returned = bench.main(["--smoke", "--out", str(tmp_path)])
-
-  with open(tmp_path / "compile_phases.json") as f:
-    report = json.load(f)
-  assert report["results"] == json.loads(json.dumps(returned["results"]))
-  assert {"command", "argv", "date", "machine", "versions"} <= set(report["meta"])
-  rows = {r["name"]: r for r in report["results"]}
-  assert list(rows) == [variant[0] for variant in bench.VARIANTS]
-  for row in report["results"]:
-    assert row["hlo_instructions"] > 0 and row["fusions"] > 0
-    assert 0 < row["hlo_passes_s"] < row["backend_s"] and row["codegen_s"] > 0
-  # The written-out hashes are in the program only where noise is drawn.
-  noisy = rows["od_circle_noisy"]
-  assert rows["od_circle"]["hlo_xor"] == 0 < noisy["hlo_xor"] <= noisy["compiled_xor"]

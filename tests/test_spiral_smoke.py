@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/spiral.py, the spiral experiment (paper Figs. 2-3)."""
+"""Smoke test of benchmarks/paper/spiral.py, the spiral experiment (paper Figs. 2-3)."""
 
 import json
 import math
@@ -11,7 +11,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def spiral(load_benchmark):
-  return load_benchmark("spiral")
+  return load_benchmark("paper.spiral")
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ def test_smoke_run_defaults_to_a_new_temporary_folder(spiral):
   # --smoke without --out never writes over the committed results/.
   args = spiral.parse_args(["--smoke"])
   assert args.out is None and args.epochs == spiral.SMOKE["epochs"]
-  assert spiral.parse_args([]).out == "results/"
+  assert spiral.parse_args([]).out == "results/paper/"
 
 
 def test_help_describes_every_flag(spiral, capsys):

@@ -19,7 +19,7 @@ TOLERANCE = 1e-5
 
 @pytest.fixture(scope="module")
 def bench(load_benchmark):
-  return load_benchmark("stiefel_projection")
+  return load_benchmark("cost.stiefel_projection")
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/transformer_lm.py, the transformer language model (paper Table 1).
+"""Smoke test of benchmarks/paper/transformer_lm.py, the transformer language model (paper Table 1).
 
 Runs without Debian's ``bible-kjv``: ``--smoke`` trains a smaller model of the same architecture on a
 tiny synthetic corpus. Besides the JSON schema it checks the protocol the script declares: the
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def lm(load_benchmark):
-  return load_benchmark("transformer_lm")
+  return load_benchmark("paper.transformer_lm")
 
 
 @pytest.fixture(scope="module")

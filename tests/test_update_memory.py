@@ -23,8 +23,8 @@ def test_after_gradient_leaves_every_value_bit_for_bit(dtype, first):
 
 
 def test_the_update_waits_for_the_gradient_with_noise_sharing_off_too(monkeypatch):
-  # benchmarks/update_memory.py --no-shared-noise and noise_compile.py turn the sharing off: the
-  # ordering, a different mechanism, must stay, or their measurements mix the two.
+  # The ordering is a mechanism of its own: it stays with the sharing off (how the development notes'
+  # grouping-off measurement ran), or a measurement of either would mix the two.
   monkeypatch.setattr(transforms, "_sharing_noise_pays", lambda: False)
   jaxpr = jax.make_jaxpr(lambda grad, x: transforms._after_gradient(grad, x))(jnp.ones(3), jnp.ones(4))
   assert any(eqn.primitive.name == "bitcast_convert_type" for eqn in jaxpr.jaxpr.eqns)

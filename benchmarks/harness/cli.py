@@ -40,6 +40,11 @@ def parser(
   return p
 
 
+def merge_flag(p: argparse.ArgumentParser, help_text: str) -> None:
+  """``--merge JSON [JSON ...]``: join the reports of runs that each did part of one protocol."""
+  p.add_argument("--merge", nargs="+", metavar="JSON", help=help_text)
+
+
 def eval_every(p: argparse.ArgumentParser, epochs: int, requested) -> int:
   """``requested`` if it divides ``epochs``, else the largest divisor of ``epochs`` up to epochs/20."""
   if epochs < 1:

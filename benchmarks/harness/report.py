@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _common import (  # noqa: F401
+from .records import (  # noqa: F401
   finite_list,
   mean_std,
   mean_std_fields,

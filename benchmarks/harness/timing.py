@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 import time
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from . import report
 
 
 def time_call(fn: Callable, args: Sequence, repetitions: int, budget_s: float) -> np.ndarray:
@@ -111,12 +114,34 @@ def target_lines(targets: Sequence[dict], value: Callable[[dict], str] = lambda 
   return lines
 
 
-def speed_parser(doc: str, smoke_help: str) -> argparse.ArgumentParser:
+def speed_parser(
+  doc: str, smoke_help: str, *, repetitions: int | None = None, budget_s: float | None = None
+) -> argparse.ArgumentParser:
   """A parser described by ``doc``'s first paragraph (the rest shown as written), with ``--smoke``
-  (``smoke_help``) and ``--out`` (default results/, a --smoke run a new temporary folder)."""
+  (``smoke_help``), ``--out`` (default results/cost/, a --smoke run a new temporary folder) and
+  ``--seed``; for a script that times, ``--repetitions`` and ``--budget`` with these defaults."""
   p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--smoke", action="store_true", help=smoke_help)
   p.add_argument(
-    "--out", default=None, help="output directory (default: results/; a --smoke run: a new temporary folder)"
+    "--out", default=None, help="output directory (default: results/cost/; a --smoke run: a new temporary folder)"
   )
+  p.add_argument("--seed", type=int, default=0)
+  if repetitions is not None:
+    p.add_argument(
+      "--repetitions", type=int, default=repetitions, help="timed calls (or pairs) per measurement at most"
+    )
+    p.add_argument("--budget", type=float, default=budget_s, help="seconds at most per measurement")
   return p
+
+
+def speed_output(args: argparse.Namespace, name: str) -> str:
+  """The folder of a speed parser's ``--out``, created: by default results/cost/, for ``--smoke`` a new
+  temporary folder named after ``name``."""
+  return report.output_dir(args.out or (None if args.smoke else "results/cost/"), name)
+
+
+def started_run(parse_args: Callable, argv: Sequence[str] | None) -> tuple[list[str], argparse.Namespace, float]:
+  """The command line (``sys.argv[1:]`` where ``argv`` is None), ``parse_args`` of it, and the
+  ``time.perf_counter()`` reading that the run's wall time counts from."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  return argv, parse_args(argv), time.perf_counter()

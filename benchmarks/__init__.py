@@ -1,0 +1,1 @@
+"""Benchmarks and reproductions of cola_jax: see benchmarks/README.md."""

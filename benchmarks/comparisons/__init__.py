@@ -1,0 +1,1 @@
+"""cola_jax against peer libraries."""
