@@ -30,7 +30,11 @@ How ``A`` is found.
   eigendecomposition) and onto the tangent space (``Omega`` made skew), with
   the penalty balanced between the two residuals. It stops when both residuals
   (``|A - Z|_F / p`` and ``rho |Z_{k+1} - Z_k|_F / p``) are at most
-  ``tolerance``, and reports the iterations it took and whether it got there.
+  ``tolerance``, and reports the iterations it took, whether it got there,
+  and a certificate: the direction returned is feasible (tangent, spectral
+  norm at most 1), and the multiplier ADMM holds bounds the best value from
+  above (weak duality), so ``gap = 1 - <G, A> / bound`` is a proven bound on
+  how far from the steepest direction it is, whether or not it converged.
   The reference's dual ascent on the multiplier ``Lambda`` (``A =
   msign(G + 2 W Lambda)``) solves the same problem: its objective is
   non-smooth wherever ``G + 2 W Lambda`` loses rank, and there it stalls.
@@ -76,8 +80,11 @@ _INITIAL_PENALTY = 0.1  # rho for a gradient of unit Frobenius norm; balanced as
 class DirectionInfo(NamedTuple):
   """How the steepest tangent direction of a leaf's last step was found.
 
-  For a leaf of several matrices (``Orthogonal`` with batch axes): the most
-  iterations any matrix used, and converged only if every matrix converged.
+  ``gap`` certifies the direction: ``<G, A>`` is within the fraction ``gap``
+  of the best value, by weak duality (any symmetric ``Lambda`` bounds it by
+  ``|G + 2 W Lambda|_*``; ADMM's multiplier gives the bound). For a leaf of
+  several matrices (``Orthogonal`` with batch axes): the most iterations any
+  matrix used, converged only if every matrix converged, and the largest gap.
 
   Example:
     >>> import jax.numpy as jnp, cola_jax as cola
@@ -85,12 +92,13 @@ class DirectionInfo(NamedTuple):
     >>> params = {'w': jnp.eye(4, 2)}
     >>> _, state = tx.update({'w': jnp.ones((4, 2))}, tx.init(params), params)
     >>> info = state.direction_info['w']  # a cola.DirectionInfo
-    >>> bool(info.converged), int(info.iterations) > 0
-    (True, True)
+    >>> bool(info.converged), int(info.iterations) > 0, float(info.gap) < 1e-5
+    (True, True, True)
   """
 
   iterations: jax.Array  # ADMM iterations (0: closed form, or a zero gradient)
   converged: jax.Array  # both residuals reached the tolerance, and the direction is finite
+  gap: jax.Array  # 1 - <G, A> / (an upper bound of its maximum): 0 for an exact direction
 
 
 class ManifoldMuonState(NamedTuple):
@@ -100,7 +108,8 @@ class ManifoldMuonState(NamedTuple):
     >>> import jax.numpy as jnp, cola_jax as cola
     >>> state = cola.manifold_muon(0.1).init({'w': jnp.eye(3, 2)})
     >>> state.momentum['w'].shape, state.direction_info['w']
-    ((3, 2), DirectionInfo(iterations=Array(0, dtype=int32), converged=Array(True, dtype=bool)))
+    ((3, 2), DirectionInfo(iterations=Array(0, dtype=int32), converged=Array(True, dtype=bool),
+                           gap=Array(0., dtype=float32)))
   """
 
   count: jax.Array  # pyright: ignore[reportIncompatibleMethodOverride]  (steps taken, int32, as optax names it)
@@ -165,8 +174,13 @@ def _admm(coordinates: jax.Array, p: int, tolerance: float, max_iterations: int)
   z = tangent(coordinates)
   inf = jnp.array(jnp.inf, z.dtype)
   init = (jnp.zeros((), jnp.int32), z, jnp.zeros_like(z), jnp.array(_INITIAL_PENALTY, z.dtype), inf, inf)
-  k, z, _, _, primal, dual = jax.lax.while_loop(not_done, step, init)
-  return _clip_singular_values(z), k, (primal <= tolerance) & (dual <= tolerance)
+  k, z, u, rho, primal, dual = jax.lax.while_loop(not_done, step, init)
+  # A feasible point (tangent, spectral norm at most 1) and the dual bound of the multiplier rho u.
+  a = tangent(_clip_singular_values(z))
+  a = a / jnp.maximum(1, jnp.linalg.norm(a, 2))
+  bound = jnp.sum(jnp.linalg.svd(coordinates.at[:p].add(-rho * _sym(u[:p])), compute_uv=False))
+  gap = jnp.maximum(1 - jnp.sum(coordinates * a) / bound, 0)
+  return a, k, (primal <= tolerance) & (dual <= tolerance), gap
 
 
 def steepest_tangent_direction(
@@ -181,9 +195,9 @@ def steepest_tangent_direction(
     max_iterations: the bound on ADMM iterations.
 
   Returns:
-    ``A`` (with ``|A|_2 <= 1`` and ``W^T A + A^T W = 0`` to the tolerance) and
-    its :class:`DirectionInfo`. A zero ``g`` gives ``A = 0``; a non-finite
-    one gives NaN, flagged.
+    ``A`` (a tangent vector with ``|A|_2 <= 1``, to rounding) and its
+    :class:`DirectionInfo`. A zero ``g`` gives ``A = 0``; a non-finite one
+    gives NaN, flagged.
 
   Example:
     >>> import jax.numpy as jnp
@@ -202,18 +216,20 @@ def steepest_tangent_direction(
   nonzero = norm > 0
   g = scaled / jnp.where(nonzero, norm, 1)
   k = _mm(w.T, g)
-  if n == p:
+  if n == p:  # exact: the bound with Lambda = -sym(W^T G) / 2 is |skew(W^T G)|_*, the value reached
     a, iterations, converged = _mm(w, _sign_of_skew(_skew(k))), jnp.zeros((), jnp.int32), jnp.array(True)
+    gap = jnp.zeros((), g.dtype)
   else:
     m = min(p, n - p)
     normal = g - _mm(w, k)
     basis = jnp.linalg.qr(jnp.concatenate([w, normal], axis=1))[0][:, p : p + m]
     coordinates = jnp.concatenate([k, _mm(basis.T, g)])
-    solution, iterations, converged = _admm(coordinates, p, tolerance, max_iterations)
+    solution, iterations, converged, gap = _admm(coordinates, p, tolerance, max_iterations)
     a = _mm(w, solution[:p]) + _mm(basis, solution[p:])
   a = jnp.where(finite, jnp.where(nonzero, a, 0), jnp.nan)
   converged = finite & (converged | ~nonzero)
-  return a, DirectionInfo(jnp.where(nonzero, iterations, 0), converged)
+  gap = jnp.where(finite, jnp.where(nonzero, gap, 0), jnp.nan)
+  return a, DirectionInfo(jnp.where(nonzero, iterations, 0), converged, gap)
 
 
 def manifold_muon(
@@ -310,7 +326,7 @@ def manifold_muon(
     layout = layout_of(without_variables(params))
     auxes = initial_auxes(tuple(layout.constraints), layout.compute)
     infos = [
-      None if isinstance(c, Euclidean) else DirectionInfo(jnp.zeros((), jnp.int32), jnp.array(True))
+      None if isinstance(c, Euclidean) else DirectionInfo(jnp.zeros((), jnp.int32), jnp.array(True), jnp.zeros(()))
       for c in layout.constraints
     ]
     return ManifoldMuonState(
@@ -347,7 +363,7 @@ def manifold_muon(
       new_param, new_aux = c.unpack(c.retract(point, -eta * c.cotangent(point, a)), p)
       new_params.append(new_param)
       new_auxes.append(new_aux)
-      infos.append(DirectionInfo(jnp.max(info.iterations), jnp.all(info.converged)))
+      infos.append(DirectionInfo(jnp.max(info.iterations), jnp.all(info.converged), jnp.max(info.gap)))
     momenta = [m.astype(old.dtype) for m, old in zip(momenta, layout.flatten(state.momentum, "state.momentum"))]
     return layout.updates(new_params), ManifoldMuonState(
       jnp.asarray(optax.safe_increment(state.count)),

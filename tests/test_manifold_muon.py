@@ -62,6 +62,7 @@ def test_direction_is_the_brute_force_maximiser(shape):
   assert bool(info.converged)
   value, brute = _brute_force_value(w, g, starts=8)
   assert np.sum(g * a) == pytest.approx(value, rel=2e-5)
+  assert 0 <= float(info.gap) <= 2e-5  # the certificate: within this fraction of the best value
   np.testing.assert_allclose(a, brute, atol=2e-3)  # the maximiser is unique for generic G
 
 
@@ -86,8 +87,8 @@ def test_square_closed_form_equals_the_iterative_solution():
   assert int(info.iterations) == 0
   # The same problem in the coordinates of the tall case with an empty complement: W^T G alone.
   coordinates = jnp.asarray(w.T @ g / np.linalg.norm(g))
-  omega, iterations, converged = _admm(coordinates, 6, 1e-7, 2000)
-  assert bool(converged) and int(iterations) > 0
+  omega, iterations, converged, gap = _admm(coordinates, 6, 1e-7, 2000)
+  assert bool(converged) and int(iterations) > 0 and float(gap) < 1e-5
   np.testing.assert_allclose(np.asarray(closed), w @ np.asarray(omega), atol=2e-5)
   assert np.abs(np.asarray(omega) + np.asarray(omega).T).max() < 1e-5  # skew: tangent
 
@@ -112,8 +113,12 @@ def test_an_iteration_bound_too_small_is_flagged():
   rng = np.random.default_rng(4)
   w = _stiefel(rng, 40, 8)
   g = (_stiefel(rng, 40, 8) * 0.8 ** np.arange(8)) @ _stiefel(rng, 8, 8).T
-  _, info = steepest_tangent_direction(jnp.asarray(w), jnp.asarray(g, jnp.float32), max_iterations=2)
+  a, info = steepest_tangent_direction(jnp.asarray(w), jnp.asarray(g, jnp.float32), max_iterations=2)
   assert int(info.iterations) == 2 and not bool(info.converged)
+  # The gap still bounds how far from the best value the direction is (weak duality).
+  best, _ = steepest_tangent_direction(jnp.asarray(w), jnp.asarray(g, jnp.float32), max_iterations=3000)
+  value, best_value = float(jnp.sum(g * a)), float(jnp.sum(g * best))
+  assert float(info.gap) > 1e-3 and (best_value - value) / best_value <= float(info.gap)
 
 
 def _polar(m):
