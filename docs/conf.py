@@ -25,6 +25,7 @@ extensions = [
   "sphinx.ext.autosummary",
   "sphinx.ext.napoleon",
   "sphinx.ext.mathjax",
+  "sphinx-mathjax-offline",  # MathJax served with the site (copied into _static/mathjax/), not from a CDN
   "sphinx.ext.viewcode",
   "api_reference",
   "coverage_check",
@@ -34,6 +35,9 @@ exclude_patterns = ["_build", "README.md", "**/.ipynb_checkpoints", "ext"]
 source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb"}
 myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence"]
 myst_heading_anchors = 3
+# The maths render with no network, the site opened from disk: MathJax 3 from the sphinx-mathjax-offline package
+# (the docs extra), a path under _static/ (tests/test_docs.py checks it is not an address).
+mathjax_path = "mathjax/tex-chtml.js"
 
 # The notebooks are shown with the outputs committed in the repository (a full-size run each), never re-executed.
 nb_execution_mode = "off"

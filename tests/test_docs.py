@@ -166,6 +166,24 @@ def test_demo_numbers_are_those_of_the_committed_run():
     assert f"{package} {run['versions'][package]}" in page
 
 
+def test_landing_pages_show_the_committed_spiral_run():
+  """The README and the site's index show results/paper/spiral.png and quote results/paper/spiral.json at its
+  deepest net, with the versions that made it."""
+  run = json.loads((ROOT / "results" / "paper" / "spiral.json").read_text())
+  depth = str(max(run["depths"]))
+  for page in (README, DOCS / "index.md"):
+    text = " ".join(page.read_text().split())
+    assert "results/paper/spiral.png)" in text, page
+    assert f"{run['config']['epochs']} epochs" in text and f"{run['config']['seeds']} seeds" in text, page
+    assert f"with {depth} hidden layers" in text, page
+    for method in ("ocola_od_tau", "sgd"):
+      summary = run["summary"][method][depth]
+      quoted = f"{100 * summary['test_accuracy_mean']:.1f} +- {100 * summary['test_accuracy_std']:.1f} %"
+      assert quoted in text, (page, method, quoted)
+    for package in ("jax", "optax", "flax", "numpy"):
+      assert f"{package} {run['versions'][package]}" in text, (page, package)
+
+
 def test_errata_cite_tests_that_exist():
   """docs/errata.md names the tests that show each item (`tests/file.py::test`, `::test` for the same file)."""
   errata = (DOCS / "errata.md").read_text()
