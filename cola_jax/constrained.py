@@ -133,8 +133,9 @@ def constrained(
 
   Retraction. ``"polar"`` (default): every leaf moves by its constraint's
   :meth:`~cola_jax.Constraint.retract` along ``Pi u``, which exists for
-  every finite step: the polar factor of ``Q + Pi u`` (the nearest
-  orthonormal matrix) for ``Orthogonal``, the exact geodesic flow for unit
+  every finite step: for ``Orthogonal`` the polar factor of ``Q + Pi u`` (the
+  nearest orthonormal matrix, by Newton-Schulz iterations), or its QR factor,
+  as its ``retraction`` field says; the exact geodesic flow for unit
   time (circle, box, MaxNorm), the radial projection (unit norm), the nearest
   point of the parabola (non-negative), SHAKE and, where SHAKE has no
   solution, Newton's projection from the moved point (implicit; a unit that
