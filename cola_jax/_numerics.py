@@ -314,7 +314,9 @@ def computed_together(*arrays: jax.Array) -> tuple[jax.Array, ...]:
   a trailing axis of length two whose second entries are negative zeros
   (``x + (-0)`` is ``x`` exactly, and the compiler drops the addition): every
   intermediate they share is computed once and each array is written to
-  memory once. Other backends fuse
+  memory once (on the CoLA-ud step of two 256 x 256 ``Circle`` kernels, the
+  inverse square root of the pair's normalisation is in 2 loops instead of 6,
+  jax 0.10.2; ``tests/test_xla_workarounds.py`` checks it). Other backends fuse
   multi-output loops themselves and get the arrays as they are.
 
   The reduction's loop runs over the arrays' shape with the last axis
