@@ -39,6 +39,12 @@ How ``A`` is found.
   msign(G + 2 W Lambda)``) solves the same problem: its objective is
   non-smooth wherever ``G + 2 W Lambda`` loses rank, and there it stalls.
 
+Known issue: on XLA:CPU with more than one core, a step ``jax.vmap``-ed over
+two or more models (seeds) was seen to deadlock (jax 0.10.2, 2 cores, a
+784-128-64-10 MLP; the same program runs when the process is pinned to one
+core, and without ``vmap``). The cause is not yet found; run seeds in a
+Python loop, or pin the process (``taskset -c 0``), until it is.
+
 ``A`` depends on the direction of ``G`` only (``A(c G) = A(G)`` for ``c >
 0``): the learning rate alone sets the length of the step, ``eta`` in the
 spectral norm.

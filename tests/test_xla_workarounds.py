@@ -13,7 +13,7 @@ from cola_jax.constraints import circle
 
 pytestmark = pytest.mark.skipif(not transforms._on_one_cpu_device(), reason="workarounds of XLA:CPU on one device")
 
-_INVERSE_SQRT_MAGIC = "1597463174"  # 0x5F375A86, the first guess of _numerics.inverse_sqrt, once per loop that inlines it
+_INVERSE_SQRT_MAGIC = "1597463174"  # 0x5F375A86: inverse_sqrt's first guess, once per loop that inlines it
 
 
 def _compiled_step(params, loss, tx):
