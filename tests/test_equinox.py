@@ -78,4 +78,5 @@ def test_a_mask_or_radius_tree_built_over_an_equinox_model_is_read_as_a_tree():
     updates, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
     residuals = cola.constraint_residuals(eqx.apply_updates(params, updates), state)
     assert [(layer.weight is None, layer.bias is None) for layer in residuals.layers] == [(False, True)] * 3
-    assert max(float(r) for r in jax.tree.leaves(residuals)) <= 1e-6
+    # params + updates rounds at the scale of the old weights (up to ~0.5, beyond the bound 0.05): a few ulps / r.
+    assert max(float(r) for r in jax.tree.leaves(residuals)) <= 4e-6
