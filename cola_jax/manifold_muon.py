@@ -349,11 +349,10 @@ def manifold_muon(
     grad_leaves = layout.gradients(grads)
     auxes = layout.flatten(state.constraint_states, "state.constraint_states")
     layout.check_state(auxes)
+    stored = layout.flatten(state.momentum, "state.momentum")
     eta = jnp.asarray(learning_rate(state.count) if callable(learning_rate) else learning_rate)
     new_params, momenta, new_auxes, infos = [], [], [], []
-    for c, g, m, p, aux in zip(
-      layout.constraints, grad_leaves, layout.flatten(state.momentum, "state.momentum"), layout.compute, auxes
-    ):
+    for c, g, m, p, aux in zip(layout.constraints, grad_leaves, stored, layout.compute, auxes):
       m = momentum * m.astype(p.dtype) + (1 - momentum) * g
       d = momentum * m + (1 - momentum) * g if nesterov else m
       momenta.append(m)
@@ -370,7 +369,7 @@ def manifold_muon(
       new_params.append(new_param)
       new_auxes.append(new_aux)
       infos.append(DirectionInfo(jnp.max(info.iterations), jnp.all(info.converged), jnp.max(info.gap)))
-    momenta = [m.astype(old.dtype) for m, old in zip(momenta, layout.flatten(state.momentum, "state.momentum"))]
+    momenta = [m.astype(old.dtype) for m, old in zip(momenta, stored)]
     return layout.updates(new_params), ManifoldMuonState(
       jnp.asarray(optax.safe_increment(state.count)),
       layout.unflatten(momenta),
