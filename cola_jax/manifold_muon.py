@@ -39,11 +39,17 @@ How ``A`` is found.
   msign(G + 2 W Lambda)``) solves the same problem: its objective is
   non-smooth wherever ``G + 2 W Lambda`` loses rank, and there it stalls.
 
-Known issue: on XLA:CPU with more than one core, a step ``jax.vmap``-ed over
-two or more models (seeds) was seen to deadlock (jax 0.10.2, 2 cores, a
-784-128-64-10 MLP; the same program runs when the process is pinned to one
-core, and without ``vmap``). The cause is not yet found; run seeds in a
-Python loop, or pin the process (``taskset -c 0``), until it is.
+Under ``jax.vmap`` a step loops over the models (seeds), each leaf's
+direction and retraction one model at a time, and
+:func:`steepest_tangent_direction` loops over a batch of matrices (a stacked
+leaf's), by ``jax.custom_batching.sequential_vmap``: jaxlib 0.10.2's CPU
+LAPACK kernels (``eigh``, ``svd``, ``qr``) split a batch of large matrices
+into tasks on XLA:CPU's intra-op thread pool and block the pool thread that
+runs them until the tasks are done. With every pool thread blocked so (two
+on two cores: one leaf's ADMM ``eigh`` and another's ``svd``) no thread was
+left to run the tasks, and a step over two seeds of a 784-128-64-10 MLP
+deadlocked. Given one matrix, LAPACK runs on the calling thread. A model's
+result under ``vmap`` is its unbatched step's, to float32 rounding.
 
 ``A`` depends on the direction of ``G`` only (``A(c G) = A(G)`` for ``c >
 0``): the learning rate alone sets the length of the step, ``eta`` in the
@@ -59,6 +65,7 @@ References:
   2011 (ADMM, residual balancing, Sec. 3.4.1).
 """
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -189,6 +196,31 @@ def _admm(coordinates: jax.Array, p: int, tolerance: float, max_iterations: int)
   return a, k, (primal <= tolerance) & (dual <= tolerance), gap
 
 
+def _steepest_tangent_direction(w, g, tolerance, max_iterations):
+  """:func:`steepest_tangent_direction` of one matrix."""
+  n, p = w.shape
+  finite = jnp.all(jnp.isfinite(g))
+  scaled = jnp.where(finite, g * power_of_two_scale(max_abs(g)), 0)  # entries of order one
+  norm = jnp.linalg.norm(scaled)
+  nonzero = norm > 0
+  g = scaled / jnp.where(nonzero, norm, 1)
+  k = _mm(w.T, g)
+  if n == p:  # exact: the bound with Lambda = -sym(W^T G) / 2 is |skew(W^T G)|_*, the value reached
+    a, iterations, converged = _mm(w, _sign_of_skew(_skew(k))), jnp.zeros((), jnp.int32), jnp.array(True)
+    gap = jnp.zeros((), g.dtype)
+  else:
+    m = min(p, n - p)
+    normal = g - _mm(w, k)
+    basis = jnp.linalg.qr(jnp.concatenate([w, normal], axis=1))[0][:, p : p + m]
+    coordinates = jnp.concatenate([k, _mm(basis.T, g)])
+    solution, iterations, converged, gap = _admm(coordinates, p, tolerance, max_iterations)
+    a = _mm(w, solution[:p]) + _mm(basis, solution[p:])
+  a = jnp.where(finite, jnp.where(nonzero, a, 0), jnp.nan)
+  converged = finite & (converged | ~nonzero)
+  gap = jnp.where(finite, jnp.where(nonzero, gap, 0), jnp.nan)
+  return a, DirectionInfo(jnp.where(nonzero, iterations, 0), converged, gap)
+
+
 def steepest_tangent_direction(
   w: jax.Array, g: jax.Array, *, tolerance: float = 1e-6, max_iterations: int = 300
 ) -> tuple[jax.Array, DirectionInfo]:
@@ -215,27 +247,8 @@ def steepest_tangent_direction(
     >>> bool(info.converged)
     True
   """
-  n, p = w.shape
-  finite = jnp.all(jnp.isfinite(g))
-  scaled = jnp.where(finite, g * power_of_two_scale(max_abs(g)), 0)  # entries of order one
-  norm = jnp.linalg.norm(scaled)
-  nonzero = norm > 0
-  g = scaled / jnp.where(nonzero, norm, 1)
-  k = _mm(w.T, g)
-  if n == p:  # exact: the bound with Lambda = -sym(W^T G) / 2 is |skew(W^T G)|_*, the value reached
-    a, iterations, converged = _mm(w, _sign_of_skew(_skew(k))), jnp.zeros((), jnp.int32), jnp.array(True)
-    gap = jnp.zeros((), g.dtype)
-  else:
-    m = min(p, n - p)
-    normal = g - _mm(w, k)
-    basis = jnp.linalg.qr(jnp.concatenate([w, normal], axis=1))[0][:, p : p + m]
-    coordinates = jnp.concatenate([k, _mm(basis.T, g)])
-    solution, iterations, converged, gap = _admm(coordinates, p, tolerance, max_iterations)
-    a = _mm(w, solution[:p]) + _mm(basis, solution[p:])
-  a = jnp.where(finite, jnp.where(nonzero, a, 0), jnp.nan)
-  converged = finite & (converged | ~nonzero)
-  gap = jnp.where(finite, jnp.where(nonzero, gap, 0), jnp.nan)
-  return a, DirectionInfo(jnp.where(nonzero, iterations, 0), converged, gap)
+  direction = lambda w, g: _steepest_tangent_direction(w, g, tolerance, max_iterations)
+  return jax.custom_batching.sequential_vmap(direction)(w, g)
 
 
 def manifold_muon(
@@ -342,6 +355,15 @@ def manifold_muon(
       direction_info=layout.unflatten(infos),
     )
 
+  def leaf_step(c, p, aux, d, eta):
+    """An ``Orthogonal`` leaf ``p`` stepped along ``d``: its new value and constraint state, its direction's info."""
+    point = c.point(p, aux)
+    w, ambient = point.matrix, c.ambient_gradient(point, d)
+    direction = lambda w, g: steepest_tangent_direction(w, g, tolerance=tolerance, max_iterations=max_iterations)
+    a, info = direction(w, ambient) if w.ndim == 2 else jax.vmap(direction)(w, ambient)
+    new_param, new_aux = c.unpack(c.retract(point, -eta * c.cotangent(point, a)), p)
+    return new_param, new_aux, DirectionInfo(jnp.max(info.iterations), jnp.all(info.converged), jnp.max(info.gap))
+
   def update_fn(grads, state, params=None, **extra_args):
     del extra_args
     check_state(owner, state, ManifoldMuonState)
@@ -361,14 +383,10 @@ def manifold_muon(
         new_auxes.append(aux)
         infos.append(None)
         continue
-      point = c.point(p, aux)
-      w, ambient = point.matrix, c.ambient_gradient(point, d)
-      direction = lambda w, g: steepest_tangent_direction(w, g, tolerance=tolerance, max_iterations=max_iterations)
-      a, info = direction(w, ambient) if w.ndim == 2 else jax.vmap(direction)(w, ambient)
-      new_param, new_aux = c.unpack(c.retract(point, -eta * c.cotangent(point, a)), p)
+      new_param, new_aux, info = jax.custom_batching.sequential_vmap(functools.partial(leaf_step, c))(p, aux, d, eta)
       new_params.append(new_param)
       new_auxes.append(new_aux)
-      infos.append(DirectionInfo(jnp.max(info.iterations), jnp.all(info.converged), jnp.max(info.gap)))
+      infos.append(info)
     momenta = [m.astype(old.dtype) for m, old in zip(momenta, stored)]
     return layout.updates(new_params), ManifoldMuonState(
       jnp.asarray(optax.safe_increment(state.count)),

@@ -1,5 +1,7 @@
 """Manifold Muon: the steepest tangent direction under the spectral norm, and the transformation built on it."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -201,3 +203,56 @@ def test_bad_input_is_named():
   tx = cola.manifold_muon(0.1, constraints={"w": cola.UnitNorm(), "b": None})
   with pytest.raises(ValueError, match=r"leaf at \['w'\] has the constraint UnitNorm"):
     tx.init({"w": jnp.ones((3, 2)), "b": jnp.zeros(2)})
+
+
+def _seeded_model():
+  """A two-layer model: its parameters and optimizer state from a key, and its training step (``eta`` scheduled)."""
+  constraints = {"w1": cola.Orthogonal(), "w2": cola.Orthogonal(), "b": None}
+  tx = cola.manifold_muon(optax.linear_schedule(0.2, 0.05, 3), constraints=constraints)
+  x = jax.random.normal(jax.random.key(1), (16, 12))
+  y = jnp.arange(16) % 4
+
+  def loss(p):
+    return optax.softmax_cross_entropy_with_integer_labels(jax.nn.relu(x @ p["w1"]) @ p["w2"] + p["b"], y).mean()
+
+  def step(p, s):
+    updates, s = tx.update(jax.grad(loss)(p), s, p)
+    return optax.apply_updates(p, updates), s
+
+  def init(key):
+    k1, k2 = jax.random.split(key)
+    params = {"w1": jax.random.normal(k1, (12, 8)), "w2": jax.random.normal(k2, (8, 4)), "b": jnp.zeros(4)}
+    params = cola.project_params(params, constraints)
+    return params, tx.init(params)
+
+  return init, step
+
+
+def test_a_step_vmapped_over_seeds_is_each_seed_s_step():
+  init, step = _seeded_model()
+  keys = jax.random.split(jax.random.key(0), 3)
+  batched = jax.vmap(init)(keys)
+  vmapped = jax.jit(jax.vmap(step))
+  for _ in range(3):
+    batched = vmapped(*batched)
+  single = jax.jit(step)
+  for i, key in enumerate(keys):
+    alone = init(key)
+    for _ in range(3):
+      alone = single(*alone)
+    seed = jax.tree.map(lambda v: v[i], batched)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5), seed, alone)
+    assert int(seed[1].direction_info["w1"].iterations) == int(alone[1].direction_info["w1"].iterations) > 0
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="jaxlib's LAPACK kernels are the CPU backend's")
+def test_a_vmapped_step_calls_lapack_one_matrix_at_a_time():
+  """A batched LAPACK call (eigh, svd, qr) deadlocked XLA:CPU (jaxlib 0.10.2): it waits on the pool it runs in."""
+  init, step = _seeded_model()
+  batched = jax.vmap(init)(jax.random.split(jax.random.key(0), 2))
+  hlo = jax.jit(jax.vmap(step)).lower(*batched).compile().as_text()
+  calls = [line for line in hlo.splitlines() if 'custom_call_target="lapack_' in line]
+  assert len(calls) >= 3  # QR, eigh and SVD, by jaxlib's names
+  for call in calls:  # the result's first array: the matrix factored, (n, p) rather than (seeds, n, p)
+    shape = re.search(r"\w+\[([\d,]*)\]", call.split(" = ", 1)[1]).group(1)
+    assert shape.count(",") == 1, call
