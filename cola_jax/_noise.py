@@ -16,10 +16,6 @@ and then transforms with an inverse error function; here both words are kept
 and the Box-Muller transform turns them into two independent standard normal
 numbers, so one hash, one logarithm and one square root serve two of them.
 
-Inside an update, leaves that share a constraint, a shape and a dtype get their
-draws from one program for the whole group (:mod:`cola_jax._shared_noise`):
-each function below first asks it for the arrays.
-
 On GPU each written-out hash is compiled into every kernel that consumes its
 numbers: on an H100 a 3-block transformer's noisy step compiled 1.5 to 1.9
 times as long as without noise. With
@@ -42,7 +38,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cola_jax import _shared_noise
 from cola_jax._numerics import computed_together, sincos_of_quarter_turns
 
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
@@ -59,9 +54,6 @@ def normal(key: jax.Array, shape: tuple[int, ...], dtype, out_sharding=None) -> 
   mode (``jax_threefry_partitionable``); anything else is passed to
   ``jax.random.normal``.
   """
-  served = _shared_noise.intercept(1, shape, dtype, out_sharding)
-  if served is not None:
-    return served[0]
   words = _threefry_words(key)
   if words is None or jnp.dtype(dtype) != jnp.float32 or math.prod(shape) >= 2**32:
     return jax.random.normal(key, shape, dtype, out_sharding=out_sharding)
@@ -134,15 +126,12 @@ def normal_pair(key: jax.Array, shape: tuple[int, ...], dtype, out_sharding=None
   (:func:`~cola_jax._numerics.computed_together`): every consumer reads them
   rather than hash again.
   """
-  served = _shared_noise.intercept(2, shape, dtype, out_sharding)
-  if served is not None:
-    return served[0], served[1]
   first, second = computed_together(*box_muller(key, shape, dtype, out_sharding))
   return first, second
 
 
 def box_muller(key: jax.Array, shape: tuple[int, ...], dtype, out_sharding=None) -> tuple[jax.Array, jax.Array]:
-  """The two arrays of :func:`normal_pair`, as expressions for XLA to place (never served)."""
+  """The two arrays of :func:`normal_pair`, as expressions for XLA to place."""
   words = _threefry_words(key)
   if words is None or jnp.dtype(dtype) != jnp.float32 or math.prod(shape) >= 2**32:
     first, second = jax.random.split(key)
@@ -170,9 +159,6 @@ def normal_paired(key: jax.Array, shape: tuple[int, ...], dtype, out_sharding=No
   Shapes without such an axis get :func:`normal` (``jax.random.normal``'s
   numbers).
   """
-  served = _shared_noise.intercept(1, shape, dtype, out_sharding)
-  if served is not None:
-    return served[0]
   axis = next((a for a in range(len(shape) - 1) if shape[a] % 2 == 0), None)
   if axis is None:
     return normal(key, shape, dtype, out_sharding=out_sharding)

@@ -387,6 +387,11 @@ def concrete_float(value: Any) -> float | None:
     return None
 
 
+def on_one_cpu_device() -> bool:
+  """Whether the step runs on XLA's CPU backend with one device, where the scheduling workarounds apply."""
+  return jax.default_backend() == "cpu" and jax.device_count() == 1
+
+
 def explicit_sharding(x: jax.Array):
   """``x``'s sharding when its mesh has explicit axes, else None.
 

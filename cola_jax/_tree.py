@@ -208,3 +208,12 @@ def check_state(owner: str, state, expected: type) -> None:
       f"init(), got {type(state).__name__}. (A checkpoint restored without a "
       "target comes back as dicts: restore it with tx.init(params) as the target.)"
     )
+
+
+def hashable(constraint):
+  """The constraint, or its identity when a hyperparameter is traced (inject_hyperparams): a key for grouping leaves."""
+  try:
+    hash(constraint)
+  except TypeError:
+    return id(constraint)
+  return constraint

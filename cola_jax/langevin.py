@@ -23,6 +23,12 @@ composed in the order O, B, A (the paper's OBA), or as BAOAB. The invariant meas
 density proportional to ``exp(-V / tau)`` with respect to the surface measure
 of ``M`` (times the Gaussian in ``p`` for the underdamped one).
 
+Randomness is explicit: a map reads its step's standard normal numbers
+``noise`` as an argument (None: no noise), drawn from a PRNG key by
+:func:`draw_noise`, which reads only the point's shapes, dtypes and shardings.
+A transform can thus draw the noise of many leaves in one program and hand
+each map its own.
+
 With ``tau = 0`` and no constraint, :func:`overdamped_step` is gradient descent
 with learning rate ``h`` and :func:`oba_step` is SGD with momentum
 ``exp(-gamma h)`` and learning rate ``h**2``, the momentum ``p`` being
@@ -35,9 +41,38 @@ References:
   integration and solvent-solute splitting*, Proc. R. Soc. A, 2016.
 """
 
+from typing import Any
+
 import jax
 
 from cola_jax.constraints.base import Constraint, Momentum, Point
+
+_DYNAMICS = ("overdamped", "OBA", "BAOAB")
+
+
+def draw_noise(constraint: Constraint, key: jax.Array, point: Point, dynamics: str) -> Any:
+  """The standard normal numbers one step of ``dynamics`` reads, drawn from ``key``.
+
+  ``dynamics`` is ``"overdamped"`` (:func:`overdamped_step`: an ambient
+  vector), ``"OBA"`` (:func:`oba_step`) or ``"BAOAB"`` (:func:`baoab_step`
+  and :func:`o_step`: the numbers of a cotangent vector). Only the shapes,
+  dtypes and shardings of ``point`` are read: the draw of a leaf does not
+  wait for its values.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, cola_jax as cola
+    >>> from cola_jax import langevin
+    >>> circle, w = cola.Circle(1.0), jnp.array([0.6, -0.6])
+    >>> point = circle.point(w, circle.init(w))
+    >>> noise = langevin.draw_noise(circle, jax.random.key(0), point, "overdamped")  # (theta, xi) entries
+    >>> [r.shape for r in noise]
+    [(2,), (2,)]
+  """
+  if dynamics not in _DYNAMICS:
+    raise ValueError(f"draw_noise: dynamics must be one of {_DYNAMICS}, got {dynamics!r}.")
+  if dynamics == "overdamped" or (dynamics == "OBA" and constraint.project_noise_with_force):
+    return constraint.ambient_normal(key, point)
+  return constraint.cotangent_draw(key, point)
 
 
 def overdamped_step(
@@ -46,11 +81,12 @@ def overdamped_step(
   grad: jax.Array,
   h,
   noise_scale=None,
-  key: jax.Array | None = None,
+  noise: Any = None,
 ) -> Point:
   """One Euler-Maruyama step of size ``h``, projected back onto the manifold.
 
-  ``noise_scale`` is ``sqrt(2 tau h)``; without a ``key`` no noise is drawn.
+  ``noise_scale`` is ``sqrt(2 tau h)`` and ``noise`` the step's numbers
+  (:func:`draw_noise` with ``"overdamped"``); without ``noise``, no noise.
 
   Example:
     >>> import jax.numpy as jnp, cola_jax as cola
@@ -62,8 +98,8 @@ def overdamped_step(
     ([0.781, -0.6], True)
   """
   step = jax.tree.map(lambda force: -h * force, constraint.ambient_gradient(point, grad))
-  if key is not None:
-    step = jax.tree.map(lambda s, r: s + noise_scale * r, step, constraint.ambient_normal(key, point))
+  if noise is not None:
+    step = jax.tree.map(lambda s, r: s + noise_scale * r, step, noise)
   return constraint.project(point, step)
 
 
@@ -73,24 +109,25 @@ def o_step(
   momentum: Momentum,
   decay,
   noise_scale=None,
-  key: jax.Array | None = None,
+  noise: Any = None,
 ) -> Momentum:
   """Friction and fluctuation: the exact Ornstein-Uhlenbeck flow on ``T*_q M``.
 
-  ``decay`` is ``exp(-gamma h)`` and ``noise_scale`` is
-  ``sqrt(tau (1 - exp(-2 gamma h)))``; without a ``key`` no noise is drawn.
+  ``decay`` is ``exp(-gamma h)``, ``noise_scale`` is
+  ``sqrt(tau (1 - exp(-2 gamma h)))`` and ``noise`` the step's numbers
+  (:func:`draw_noise` with ``"BAOAB"``); without ``noise``, friction only.
 
   Example:
     >>> import jax.numpy as jnp, cola_jax as cola
     >>> from cola_jax import langevin
     >>> circle, w = cola.Circle(1.0), jnp.array([0.6, -0.6])
     >>> point = circle.point(w, circle.init(w))  # (theta, xi) = (w, sqrt(1 - w**2))
-    >>> langevin.o_step(circle, point, jnp.array([1.0, -1.0]), decay=0.5)  # no key: friction only
+    >>> langevin.o_step(circle, point, jnp.array([1.0, -1.0]), decay=0.5)  # no noise: friction only
     Array([ 0.5, -0.5], dtype=float32)
   """
   momentum = decay * momentum
-  if key is not None:
-    momentum = momentum + noise_scale * constraint.cotangent_normal(key, point)
+  if noise is not None:
+    momentum = momentum + noise_scale * constraint.cotangent_normal(point, noise)
   return momentum
 
 
@@ -132,9 +169,11 @@ def oba_step(
   h,
   decay,
   noise_scale=None,
-  key: jax.Array | None = None,
+  noise: Any = None,
 ) -> tuple[Point, Momentum]:
   """One underdamped step in the paper's order: O, then B, then A.
+
+  ``noise``: the step's numbers (:func:`draw_noise` with ``"OBA"``), or None.
 
   Where the geometry says so (``constraint.project_noise_with_force``), O's
   noise and B's force are projected onto the cotangent space in one go,
@@ -152,15 +191,11 @@ def oba_step(
     >>> [round(float(p), 3) for p in momentum], bool(jnp.allclose(theta**2 + xi**2, 1.0))  # p = -h grad xi / r
     ([-0.08, -0.08], True)
   """
-  if key is not None and constraint.project_noise_with_force:
-    force = jax.tree.map(
-      lambda r, g: noise_scale * r - h * g,
-      constraint.ambient_normal(key, point),
-      constraint.ambient_gradient(point, grad),
-    )
+  if noise is not None and constraint.project_noise_with_force:
+    force = jax.tree.map(lambda r, g: noise_scale * r - h * g, noise, constraint.ambient_gradient(point, grad))
     momentum = jax.tree.map(lambda p, f: decay * p + f, momentum, constraint.cotangent(point, force))
   else:
-    momentum = b_step(constraint, point, o_step(constraint, point, momentum, decay, noise_scale, key), grad, h)
+    momentum = b_step(constraint, point, o_step(constraint, point, momentum, decay, noise_scale, noise), grad, h)
   return a_step(constraint, point, momentum, h)
 
 
@@ -173,9 +208,11 @@ def baoab_step(
   kick,
   decay,
   noise_scale=None,
-  key: jax.Array | None = None,
+  noise: Any = None,
 ) -> tuple[Point, Momentum]:
   """One BAOAB step, written as B A O A with the kick ``kick``.
+
+  ``noise``: the step's numbers (:func:`draw_noise` with ``"BAOAB"``), or None.
 
   BAOAB's closing half kick ``B(h/2)`` needs the gradient at the new point,
   which an optimizer only receives at its next call. Merging it with the next
@@ -202,5 +239,5 @@ def baoab_step(
   """
   momentum = b_step(constraint, point, momentum, grad, kick)
   point, momentum = a_step(constraint, point, momentum, h / 2)
-  momentum = o_step(constraint, point, momentum, decay, noise_scale, key)
+  momentum = o_step(constraint, point, momentum, decay, noise_scale, noise)
   return a_step(constraint, point, momentum, h / 2)

@@ -13,10 +13,10 @@ Transformations before it (gradient clipping, for instance) are fine.
 
 Randomness: the PRNG key lives in the optimizer state, is split once per step,
 and gives one independent key per leaf, so runs are reproducible under ``jit``
-and ``vmap`` and inside Flax's ``TrainState``. On XLA's CPU backend with one
-device, leaves that share a constraint, a shape and a dtype draw their noise
-together from the first one's key (see :func:`_map_leaves`): the same law,
-another stream, a compile time that does not grow with depth.
+and ``vmap`` and inside Flax's ``TrainState``. Each leaf's noise is drawn
+from its own key and handed to its Langevin map as an argument
+(:mod:`cola_jax._step_noise`), so a seed gives the same numbers on every
+backend and device count.
 """
 
 from __future__ import annotations
@@ -27,14 +27,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from cola_jax import _compiled, _shared_noise, langevin
+from cola_jax import _compiled, _step_noise, langevin
 from cola_jax._hyperparameters import caller, check_floating_dtype, check_nonnegative, check_positive
-from cola_jax._numerics import computed_after, concrete_float, explicit_sharding
+from cola_jax._numerics import computed_after, concrete_float, explicit_sharding, on_one_cpu_device
 from cola_jax._tree import (
   NOT_PARAMS,
   ConstraintSpec,
   LeafLayout,
   check_state,
+  hashable,
   initial_auxes,
   is_params_placeholder,
   without_variables,
@@ -142,38 +143,36 @@ def _step_keys(key, noisy: bool, n_leaves: int):
   return key, list(jax.random.split(step_key, n_leaves))
 
 
-def _map_leaves(n_outputs, leaf_step, constraints, params, grads, *columns, keys) -> tuple[list, ...]:
-  """``leaf_step(constraint, param, grad, *column_entries, key)`` for every leaf, transposed.
+def _noise(dynamics: str, layout: LeafLayout, auxes: list, keys: list, grads: list) -> list:
+  """Each leaf's numbers for this step (:func:`cola_jax.langevin.draw_noise`), None where it draws none."""
+  if all(k is None for k in keys):
+    return keys
+  points = [jax.eval_shape(c.point, p, a) for c, p, a in zip(layout.constraints, layout.compute, auxes)]
+  draw = lambda c, key, point: langevin.draw_noise(c, key, point, dynamics)
+  return _step_noise.draw_leaves(draw, layout.constraints, points, keys, grads)
+
+
+def _map_leaves(n_outputs, leaf_step, constraints, params, *columns) -> tuple[list, ...]:
+  """``leaf_step(constraint, param, *column_entries)`` for every leaf, transposed.
 
   ``leaf_step`` returns ``n_outputs`` values; with no leaves the result is
-  ``n_outputs`` empty lists. ``keys`` holds each leaf's PRNG key (Nones when no
-  noise is drawn); a group's shared noise is drawn once its members' gradients
-  exist.
+  ``n_outputs`` empty lists.
 
-  Leaves that share a constraint, a shape and a dtype (and carry no explicit
-  sharding) form a group when either of these pays:
-
-  * on accelerators, if the constraint's ``stack_same_shape`` is set, the
-    group is stacked and stepped together under ``vmap``: a deep network's
-    equal hidden layers then take one batched projection loop (one kernel
-    launch and one host synchronisation per iteration) instead of one loop
-    each;
-  * on XLA's CPU backend with one device, when noise is drawn, the group's
-    noise is drawn once for all its members (:mod:`cola_jax._shared_noise`),
-    so that the compiled program holds one generator per group rather than per
-    leaf: compile time no longer grows with depth.
-
-  Stacked or not, a member's result is the one it would get alone with the
-  same noise; leaves outside groups keep their own keys.
+  On accelerators, leaves that share a constraint whose ``stack_same_shape``
+  is set, a shape and a dtype (and carry no explicit sharding) are stacked
+  and stepped together under ``vmap``: a deep network's equal hidden layers
+  then take one batched projection loop (one kernel launch and one host
+  synchronisation per iteration) instead of one loop each. A member's result
+  is the one it gets alone.
   """
-  stacking, sharing = _stacking_pays(), _sharing_noise_pays() and any(k is not None for k in keys)
+  stacking = _stacking_pays()
   groups = {}
   for i, (c, param) in enumerate(zip(constraints, params)):
-    together = explicit_sharding(param) is None and (sharing or (stacking and c.stack_same_shape))
-    group = (_hashable(c), param.shape, param.dtype) if together else i
+    together = stacking and c.stack_same_shape and explicit_sharding(param) is None
+    group = (hashable(c), param.shape, param.dtype) if together else i
     groups.setdefault(group, []).append(i)
 
-  columns = (params, grads, *columns, keys)
+  columns = (params, *columns)
   outputs: list[Any] = [None] * len(params)
   for members in groups.values():
     c = constraints[members[0]]
@@ -182,39 +181,10 @@ def _map_leaves(n_outputs, leaf_step, constraints, params, grads, *columns, keys
       (i,) = members
       outputs[i] = step(*(column[i] for column in columns))
       continue
-    made = _shared_noise.requests(step, *(column[members[0]] for column in columns)) if sharing else []
-    after = [grads[i] for i in members]
-    drawn = _shared_noise.draw(keys[members[0]], made, len(members), after) if made else [[]] * len(members)
-
-    def served_step(draws, *args):
-      with _shared_noise.serving(made, draws):
-        return step(*args)
-
-    if stacking and c.stack_same_shape:
-      stacked = [_stack([column[i] for i in members]) for column in columns]
-      batched = jax.vmap(served_step)(_stack(drawn), *stacked)
-      for position, i in enumerate(members):
-        outputs[i] = jax.tree.map(lambda x: x[position], batched)
-    else:
-      for draws, i in zip(drawn, members):
-        outputs[i] = served_step(draws, *(column[i] for column in columns))
+    batched = jax.vmap(step)(*(_stack([column[i] for i in members]) for column in columns))
+    for position, i in enumerate(members):
+      outputs[i] = jax.tree.map(lambda x: x[position], batched)
   return tuple([output[k] for output in outputs] for k in range(n_outputs))
-
-
-def _sharing_noise_pays() -> bool:
-  """Whether a group of same-shape leaves draws its noise in one program: on XLA's CPU backend with one device.
-
-  There every draw's generator is compiled into its consumers' loops, some
-  hundred operations per leaf; writing a group's noise to memory once costs
-  less than compiling it per leaf. Accelerators fuse multi-output loops and
-  stack the leaves that pay for it; with several devices each leaf keeps its
-  key, so that a sharded run draws what an unsharded one does.
-  """
-  return _on_one_cpu_device()
-
-
-def _on_one_cpu_device() -> bool:
-  return jax.default_backend() == "cpu" and jax.device_count() == 1
 
 
 def _after_gradient(grad: jax.Array, tree):
@@ -230,7 +200,7 @@ def _after_gradient(grad: jax.Array, tree):
   Elsewhere (a slice of a sharded gradient would move data between devices)
   the tree is returned as it is.
   """
-  return computed_after(grad, tree) if _on_one_cpu_device() else tree
+  return computed_after(grad, tree) if on_one_cpu_device() else tree
 
 
 def _stacking_pays() -> bool:
@@ -241,15 +211,6 @@ def _stacking_pays() -> bool:
   ``benchmarks/cost/stiefel_projection.py``).
   """
   return jax.default_backend() != "cpu"
-
-
-def _hashable(constraint):
-  """The constraint, or its identity when a hyperparameter is traced (inject_hyperparams)."""
-  try:
-    hash(constraint)
-  except TypeError:
-    return id(constraint)
-  return constraint
 
 
 def _stack(trees: list):
@@ -335,14 +296,14 @@ def cola_od(
     noise_scale = jnp.sqrt(2 * _temperature_at(temperature, state.count) * h) if noisy else None
     next_key, leaf_keys = _step_keys(state.key, noisy, len(layout.params))
 
-    def leaf_step(c, param, grad, aux, leaf_key):
+    noises = _noise("overdamped", layout, auxes, leaf_keys, grad_leaves)
+
+    def leaf_step(c, param, grad, aux, noise):
       param, aux = _after_gradient(grad, (param, aux))
-      point = langevin.overdamped_step(c, c.point(param, aux), grad, h, noise_scale, leaf_key)
+      point = langevin.overdamped_step(c, c.point(param, aux), grad, h, noise_scale, noise)
       return c.unpack(point, param)
 
-    new_params, new_auxes = _map_leaves(
-      2, leaf_step, layout.constraints, layout.compute, grad_leaves, auxes, keys=leaf_keys
-    )
+    new_params, new_auxes = _map_leaves(2, leaf_step, layout.constraints, layout.compute, grad_leaves, auxes, noises)
     return layout.updates(new_params), OverdampedState(
       count=jnp.asarray(optax.safe_increment(state.count)), key=next_key, constraint_states=layout.unflatten(new_auxes)
     )
@@ -491,18 +452,20 @@ def cola_ud(
 
     kick = jnp.where(state.count == 0, h / 2, h)
 
-    def leaf_step(c, param, grad, aux, stored, leaf_key):
+    noises = _noise(splitting, layout, auxes, leaf_keys, grad_leaves)
+
+    def leaf_step(c, param, grad, aux, stored, noise):
       param, aux = _after_gradient(grad, (param, aux))
       point, momentum = c.point(param, aux), c.load_momentum(stored.astype(param.dtype))
       if splitting == "OBA":
-        point, momentum = langevin.oba_step(c, point, momentum, grad, h, decay, noise_scale, leaf_key)
+        point, momentum = langevin.oba_step(c, point, momentum, grad, h, decay, noise_scale, noise)
       else:
-        point, momentum = langevin.baoab_step(c, point, momentum, grad, h, kick, decay, noise_scale, leaf_key)
+        point, momentum = langevin.baoab_step(c, point, momentum, grad, h, kick, decay, noise_scale, noise)
       new_param, new_aux = c.unpack(point, param)
       return new_param, new_aux, c.store_momentum(momentum, param).astype(stored.dtype)
 
     new_params, new_auxes, new_momenta = _map_leaves(
-      3, leaf_step, layout.constraints, layout.compute, grad_leaves, auxes, momenta, keys=leaf_keys
+      3, leaf_step, layout.constraints, layout.compute, grad_leaves, auxes, momenta, noises
     )
     return layout.updates(new_params), UnderdampedState(
       count=jnp.asarray(optax.safe_increment(state.count)),

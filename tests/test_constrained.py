@@ -293,9 +293,6 @@ class _ZeroSum(cola.Constraint):
   def cotangent(self, point, vector):
     return vector - jnp.mean(vector)
 
-  def cotangent_normal(self, key, point):
-    return self.cotangent(point, self.ambient_normal(key, point))
-
   def a_step(self, point, momentum, h):
     return point + h * momentum, momentum
 

@@ -240,14 +240,15 @@ def test_noise_and_force_projected_together_give_o_then_b(constraint, shape):
   h, decay, scale, key = 0.05, 0.8, 0.3, jax.random.key(2)
 
   joint = jax.jit(lambda *args: langevin.oba_step(constraint, *args))
-  moved, moved_momentum = joint(point, momentum, grad, h, decay, scale, key)
+  noise = langevin.draw_noise(constraint, key, point, "OBA")
+  moved, moved_momentum = joint(point, momentum, grad, h, decay, scale, noise)
 
   @jax.jit
-  def o_then_b_then_a(point, momentum, grad, h, decay, scale, key):
-    momentum = langevin.o_step(constraint, point, momentum, decay, scale, key)
+  def o_then_b_then_a(point, momentum, grad, h, decay, scale, noise):
+    momentum = langevin.o_step(constraint, point, momentum, decay, scale, noise)
     return langevin.a_step(constraint, point, langevin.b_step(constraint, point, momentum, grad, h), h)
 
-  expected_point, expected_momentum = o_then_b_then_a(point, momentum, grad, h, decay, scale, key)
+  expected_point, expected_momentum = o_then_b_then_a(point, momentum, grad, h, decay, scale, noise)
   np.testing.assert_allclose(moved_momentum, expected_momentum, rtol=1e-4, atol=1e-5)
   for got, want in zip(jax.tree.leaves(moved), jax.tree.leaves(expected_point)):
     if jnp.issubdtype(got.dtype, jnp.floating):

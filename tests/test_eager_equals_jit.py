@@ -220,7 +220,7 @@ def _inputs(case: Case, dtype):
       states[f"{name}, slack {value}"] = (params[name], _with_slack(c.init(params[name]), value))
     points = {name: c.point(*states[name]) for name in case.moving}
     step = {name: jax.tree.map(lambda v: 0.3 * v, c.ambient_normal(jax.random.key(1), p)) for name, p in points.items()}
-    momentum = {name: c.cotangent_normal(jax.random.key(2), p) for name, p in points.items()}
+    momentum = {name: c.cotangent_normal(p, c.cotangent_draw(jax.random.key(2), p)) for name, p in points.items()}
     return states, points, step, momentum
 
   states, points, step, momentum = build(params)

@@ -690,10 +690,9 @@ def test_unreachable_manifold_is_an_error_or_a_flag():
   assert float(cola.constraint_residuals(x, state)) > 1  # reported, not hidden
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the conditional that writes the noise once is XLA:CPU's")
-def test_noise_under_vmap_over_keys_is_drawn_once_not_in_both_branches_of_a_select():
-  # vmap turns a conditional with a batched predicate into a select that computes both branches:
-  # the written-out draw and jax.random.normal's rolled loops, every step and for every key.
+def test_noise_under_vmap_over_keys_is_each_keys_own_draw_with_no_select_of_two_draws():
+  # vmap turns a conditional with a batched predicate into a select that computes both branches. The draw is
+  # written to memory by a reduction, not by a conditional: none in the program.
   constraint = cola.Implicit(equality=lambda u: jnp.stack([jnp.sum(u), jnp.sum(u * u) - 1]), axis=0)
   params = cola.project_params({"w": jax.random.normal(jax.random.key(0), (16, 8))}, constraint)
   make_tx = lambda key: cola.cola_ud(0.1, friction=1.0, constraints=constraint, temperature=1e-2, key=key)
@@ -704,7 +703,7 @@ def test_noise_under_vmap_over_keys_is_drawn_once_not_in_both_branches_of_a_sele
 
   keys = jax.random.split(jax.random.key(1), 3)
   text = jax.jit(jax.vmap(update)).lower(keys).compile().as_text()
-  assert text.count(" conditional(") == 1
+  assert " conditional(" not in text
   batched = jax.jit(jax.vmap(update))(keys)
   for i, key in enumerate(keys):  # each key's noise is the one it draws alone
     np.testing.assert_allclose(batched["w"][i], jax.jit(update)(key)["w"], rtol=1e-6, atol=1e-7)

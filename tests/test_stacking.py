@@ -49,13 +49,8 @@ def run(tx, params, steps=20):
     ),
   ],
 )
-@pytest.mark.parametrize(
-  "shared_noise", [pytest.param(False, id="own_keys"), pytest.param(True, id="shared_noise", marks=pytest.mark.slow)]
-)
-def test_stacked_equals_leaf_by_leaf(make, shared_noise, monkeypatch):
-  # Accelerators stack and keep each leaf's key (own_keys); XLA:CPU shares a group's noise.
+def test_stacked_equals_leaf_by_leaf(make, monkeypatch):
   params = deep_params(jax.random.key(0))
-  monkeypatch.setattr(transforms, "_sharing_noise_pays", lambda: shared_noise)
   monkeypatch.setattr(transforms, "_stacking_pays", lambda: True)  # as on an accelerator
   stacked_params, stacked_state = run(make(), params)
   monkeypatch.setattr(transforms, "_stacking_pays", lambda: False)  # as on CPU

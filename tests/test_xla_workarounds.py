@@ -8,10 +8,10 @@ import optax
 import pytest
 
 import cola_jax as cola
-from cola_jax import transforms
+from cola_jax import _numerics, transforms
 from cola_jax.constraints import circle
 
-pytestmark = pytest.mark.skipif(not transforms._on_one_cpu_device(), reason="workarounds of XLA:CPU on one device")
+pytestmark = pytest.mark.skipif(not _numerics.on_one_cpu_device(), reason="workarounds of XLA:CPU on one device")
 
 _INVERSE_SQRT_MAGIC = "1597463174"  # 0x5F375A86: inverse_sqrt's first guess, once per loop that inlines it
 

@@ -90,7 +90,11 @@ class Constraint(abc.ABC):
 
   @abc.abstractmethod
   def ambient_normal(self, key: jax.Array, point: Point) -> Point:
-    """A standard normal vector of the ambient space."""
+    """A standard normal vector of the ambient space.
+
+    A draw reads only the point's shapes, dtypes and shardings, never its
+    values, so that the transforms can draw it apart from the step.
+    """
 
   @abc.abstractmethod
   def project(self, anchor: Point, step: Point) -> Point:
@@ -112,9 +116,22 @@ class Constraint(abc.ABC):
     """
     return self.cotangent(point, self.ambient_gradient(point, grad))
 
-  @abc.abstractmethod
-  def cotangent_normal(self, key: jax.Array, point: Point) -> Momentum:
-    """A standard normal vector of the cotangent space (projected noise)."""
+  def cotangent_draw(self, key: jax.Array, point: Point) -> Any:
+    """The standard normal numbers a cotangent noise vector is made of (:meth:`cotangent_normal`).
+
+    By default an ambient vector (:meth:`ambient_normal`); a geometry with a
+    frame of the tangent space draws its coordinates directly. As a draw of
+    :meth:`ambient_normal`, it reads only the point's shapes, dtypes and
+    shardings.
+    """
+    return self.ambient_normal(key, point)
+
+  def cotangent_normal(self, point: Point, draw: Any) -> Momentum:
+    """A standard normal vector of the cotangent space at ``point``, made of ``draw`` (:meth:`cotangent_draw`).
+
+    By default the ambient draw projected by :meth:`cotangent`.
+    """
+    return self.cotangent(point, draw)
 
   def zero_momentum(self, param: jax.Array) -> jax.Array:
     """The stored form of a zero momentum for the leaf."""
@@ -183,9 +200,6 @@ class Euclidean(Constraint):
 
   def cotangent(self, point, vector):
     return vector
-
-  def cotangent_normal(self, key, point):
-    return self.ambient_normal(key, point)
 
   def a_step(self, point, momentum, h):
     return point + h * momentum, momentum

@@ -162,8 +162,11 @@ class Box(Constraint):
   def projected_gradient(self, point, grad):
     return self._circle.projected_gradient(point, grad)
 
-  def cotangent_normal(self, key, point):
-    return self._circle.cotangent_normal(key, point)
+  def cotangent_draw(self, key, point):
+    return self._circle.cotangent_draw(key, point)
+
+  def cotangent_normal(self, point, draw):
+    return self._circle.cotangent_normal(point, draw)
 
   def a_step(self, point, momentum, h):
     return self._circle.a_step(point, momentum, h)

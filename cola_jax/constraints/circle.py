@@ -201,9 +201,13 @@ class Circle(Constraint):
     _, xi = point
     return grad * xi * (1 / jnp.asarray(self.radius, xi.dtype))
 
-  def cotangent_normal(self, key, point):
+  def cotangent_draw(self, key, point):
+    """The cotangent noise's coordinate along the circle's frame, shaped like ``theta``."""
     theta, _ = point
     return _noise.normal_paired(key, theta.shape, theta.dtype, out_sharding=explicit_sharding(theta))
+
+  def cotangent_normal(self, point, draw):
+    return draw
 
   def a_step(self, point, momentum, h):
     """The rotation of ``(theta, xi)`` by the angle ``h v / r``, a rotation for every finite angle.

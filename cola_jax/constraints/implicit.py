@@ -124,9 +124,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cola_jax import _compiled, _noise, _shared_noise
+from cola_jax import _compiled, _noise
 from cola_jax._hyperparameters import check_loop, check_positive, check_positive_integer
-from cola_jax._numerics import bounded_while_loop, max_abs
+from cola_jax._numerics import bounded_while_loop, computed_together, max_abs
 from cola_jax.constraints import _axes
 from cola_jax.constraints._unit_layout import UnitLayout
 from cola_jax.constraints.base import Constraint
@@ -300,32 +300,6 @@ class _Geometry:
     converged = (self.worst(gq) <= c.tolerance) & self.finite(qx, qs)
     impulse = self.transpose(x_n, s_n, jnp.where(converged[..., None], lam, 0))
     return (qx, qs), impulse, k, converged
-
-
-def _drawn_once(key, shape, dtype):
-  """``jax.random.normal(key, shape, dtype)``, written to memory once on XLA:CPU.
-
-  The projections read an ambient noise vector in several loops (one per
-  reduction, and the result), and XLA:CPU, which has no multi-output fusion,
-  would recompute the generator's hash in each. The result of a conditional
-  is written once. Its predicate is a true that XLA cannot see through (an
-  optimization barrier): the written-out draw runs every step, and under
-  ``vmap`` the predicate stays unbatched, where a batched one would turn the
-  conditional into a select of both branches, each computed. The other
-  branch, never taken, gives the same numbers
-  (:func:`~cola_jax._noise.normal` is ``jax.random.normal`` bit for bit, in
-  a different program that XLA does not merge). A leaf whose noise its group
-  draws (:mod:`cola_jax._shared_noise`) reads that draw, already in memory,
-  with no conditional.
-  """
-  served = _shared_noise.intercept(1, shape, dtype, None)
-  if served is not None:
-    return served[0]
-  draw = lambda: _noise.normal(key, shape, dtype)
-  if jax.default_backend() != "cpu":  # multi-output fusion: nothing is recomputed
-    return draw()
-  always = jax.lax.optimization_barrier(jnp.array(True))
-  return jax.lax.cond(always, draw, lambda: jax.random.normal(key, shape, dtype))
 
 
 # Up to this many components per unit, G G^T is built from separate passes over
@@ -578,7 +552,9 @@ class Implicit(Constraint):
     return jnp.concatenate([grad.ravel(), jnp.zeros(point.slack.size, grad.dtype)])
 
   def ambient_normal(self, key, point):
-    return _drawn_once(key, (point.x.size + point.slack.size,), point.x.dtype)
+    # Read by several loops (one per reduction of the projection, and the result): written to memory once.
+    (noise,) = computed_together(_noise.normal(key, (point.x.size + point.slack.size,), point.x.dtype))
+    return noise
 
   def project(self, anchor, step):
     geometry = self._geometry(anchor.x.shape)
@@ -607,9 +583,6 @@ class Implicit(Constraint):
   def cotangent(self, point, vector):
     geometry = self._geometry(point.x.shape)
     return geometry.join(*geometry.cotangent(point.x, geometry.slack_matrix(point.slack), *geometry.split(vector)))
-
-  def cotangent_normal(self, key, point):
-    return self.cotangent(point, _drawn_once(key, (point.x.size + point.slack.size,), point.x.dtype))
 
   def zero_momentum(self, param):
     """The momentum is stored flat, ``(n + K,)``: the leaf's entries, then the slacks' (``K`` of them)."""

@@ -368,9 +368,13 @@ class MaxNorm(Constraint):
   def cotangent(self, point, vector):
     return self._coordinates(point, vector)
 
-  def cotangent_normal(self, key, point):
+  def cotangent_draw(self, key, point):
+    """The cotangent noise's coordinates, shaped like ``w``."""
     w, _ = point
     return _noise.normal(key, w.shape, w.dtype, out_sharding=explicit_sharding(w))
+
+  def cotangent_normal(self, point, draw):
+    return draw
 
   def momentum_vector(self, point, momentum):
     """The cotangent vector ``(p^w, p^xi)`` of a momentum in stored coordinates."""

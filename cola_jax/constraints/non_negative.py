@@ -245,9 +245,13 @@ class NonNegative(Constraint):
     inverse = _inverse_length(s)
     return 2 * (s * inverse) * v_w + inverse * v_s
 
-  def cotangent_normal(self, key, point):
+  def cotangent_draw(self, key, point):
+    """The cotangent noise's coordinates, shaped like ``w``."""
     w, _ = point
     return _noise.normal(key, w.shape, w.dtype, out_sharding=explicit_sharding(w))
+
+  def cotangent_normal(self, point, draw):
+    return draw
 
   def retract(self, point, tangent):
     """The nearest point of the parabola to ``q + v t``: it exists for every finite step, where RATTLE's may not."""

@@ -72,7 +72,7 @@ import jax.numpy as jnp
 
 from cola_jax import _compiled, _noise
 from cola_jax._hyperparameters import check_loop, check_positive, check_positive_integer
-from cola_jax._numerics import bounded_while_loop, explicit_sharding, max_abs, power_of_two_scale
+from cola_jax._numerics import bounded_while_loop, computed_together, explicit_sharding, max_abs, power_of_two_scale
 from cola_jax.constraints import _axes, stiefel_projection, stiefel_retraction
 from cola_jax.constraints.base import Constraint
 from cola_jax.constraints.stiefel_retraction import gram_defect, polar_of_tangent_step
@@ -426,7 +426,9 @@ class Orthogonal(Constraint):
     return self._tall(grad)
 
   def ambient_normal(self, key, point):
-    return _noise.normal(key, point.matrix.shape, point.matrix.dtype, out_sharding=explicit_sharding(point.matrix))
+    noise = _noise.normal(key, point.matrix.shape, point.matrix.dtype, out_sharding=explicit_sharding(point.matrix))
+    # Read by several loops (the projection's products and the result): written to memory once.
+    return computed_together(noise)[0]
 
   def _has_root(self, q_n, step, fixed: bool):
     """False where the step provably has no root along the normal space at ``Q_n`` (or is not finite).
@@ -472,9 +474,6 @@ class Orthogonal(Constraint):
     q = point.matrix
     sym = stiefel_projection.gram(vector, q)
     return vector - 0.5 * jnp.matmul(q, sym + sym.T, precision=_HIGHEST)
-
-  def cotangent_normal(self, key, point):
-    return self.cotangent(point, self.ambient_normal(key, point))
 
   def load_momentum(self, stored):
     return self._tall(stored)

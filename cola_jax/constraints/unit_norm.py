@@ -203,9 +203,6 @@ class UnitNorm(Constraint):
     r = jnp.asarray(self.radius, point.dtype)
     return vector - self._dot(point, vector) * (1 / (r * r)) * point
 
-  def cotangent_normal(self, key, point):
-    return self.cotangent(point, self.ambient_normal(key, point))
-
   def retract(self, point, tangent):
     """The radial projection of ``w + v``, which exists for every finite step."""
     return self.project(point, tangent)

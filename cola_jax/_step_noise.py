@@ -1,0 +1,100 @@
+"""The noise of one step: each leaf's numbers, drawn from its own key and handed to its Langevin map.
+
+The transforms split the step's key into one key per leaf, and a leaf's
+numbers are ``langevin.draw_noise(constraint, key, point, dynamics)`` of its
+own key, whatever the backend, the device count or the grouping below: one
+seed gives the same stream everywhere (up to JAX's own fallbacks, see
+:mod:`cola_jax._noise`). How the draws are compiled is all that differs.
+
+On XLA's CPU backend with one device, a draw's hash (some hundred operations)
+is compiled into every loop that consumes it, once per leaf: a 12-block
+transformer, whose 48 kernels each draw their own noise, compiled about ten
+times longer with noise than without. There the leaves that share a
+constraint, a shape and a dtype are drawn together:
+
+* a group whose draws take at most ``_ONE_PASS_BYTES`` in all is drawn in one
+  program, vectorised over its members' keys (the biases and norms of the
+  12-block transformer: 74 vectors in one loop), and written to memory;
+* a larger group (or a leaf alone) member by member, each draw after that
+  member's gradient (:func:`~cola_jax._numerics.computed_after`): XLA's CPU
+  scheduler runs an operation as early as its operands allow, and noise drawn
+  from the key alone would be drawn before the forward pass and held through
+  the backward pass. Each member's key is a buffer of its own, so that the
+  members' draws and the loops that fuse them are one computation with
+  different operands, which XLA's CPU backend emits once for all of them. A
+  constraint whose noise several loops read writes its draw to memory itself
+  (``Circle``'s pair, ``Implicit``'s vector).
+
+Elsewhere (accelerators fuse multi-output loops; a sharded leaf keeps its
+draw beside its shards) each draw is an expression that its map's loops fuse.
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from cola_jax._numerics import computed_after, computed_together, explicit_sharding, on_one_cpu_device
+from cola_jax._tree import hashable
+
+# A group whose draws take at most this many bytes in all is drawn in one
+# program: each program is a loop of its own, some tenths of a second to
+# compile, and small arrays cost nothing wherever XLA writes them.
+_ONE_PASS_BYTES = 1 << 22
+
+Draw = Callable[[Any, jax.Array, Any], Any]  # (constraint, key, point) -> the leaf's numbers
+
+
+def draw_leaves(draw: Draw, constraints: Sequence, points: Sequence, keys: Sequence, grads: Sequence) -> list:
+  """Each leaf's numbers, ``draw(constraint, key, point)``, or None where its key is None.
+
+  ``points`` give the shapes, dtypes and shardings of the leaves' points
+  (``jax.ShapeDtypeStruct`` trees will do); ``grads`` are the leaves'
+  gradients, which the draws wait for on XLA's CPU backend.
+  """
+  noises: list[Any] = [None] * len(keys)
+  groups: dict[Any, list[int]] = {}
+  together = on_one_cpu_device()
+  for i, (c, point, key) in enumerate(zip(constraints, points, keys)):
+    if key is None:
+      continue
+    leaves = jax.tree.leaves(point)
+    alone = not together or any(explicit_sharding(x) is not None for x in leaves)
+    group = (hashable(c), tuple((x.shape, jnp.dtype(x.dtype)) for x in leaves)) if not alone else (None, i)
+    groups.setdefault(group, []).append(i)
+  for group, members in groups.items():
+    first = members[0]
+    one = lambda key: draw(constraints[first], key, points[first])
+    if group[0] is None:  # drawn where it is read
+      noises[first] = one(keys[first])
+      continue
+    size = sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(jax.eval_shape(one, keys[first])))
+    if len(members) > 1 and len(members) * size <= _ONE_PASS_BYTES:
+      drawn = _written_once(jax.vmap(one)(jnp.stack([keys[i] for i in members])))
+      for position, i in enumerate(members):
+        noises[i] = jax.tree.map(lambda x: x[position], drawn)
+    else:
+      member_keys = _own_buffers([keys[i] for i in members]) if len(members) > 1 else [keys[first]]
+      for i, key in zip(members, member_keys):
+        noises[i] = one(computed_after(grads[i], key))
+  return noises
+
+
+def _written_once(tree):
+  """``tree``'s arrays, each written to memory once (:func:`~cola_jax._numerics.computed_together`)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return jax.tree.unflatten(treedef, [computed_together(x)[0] for x in leaves])
+
+
+def _own_buffers(keys: list) -> list:
+  """The keys, each a buffer of its own (:func:`~cola_jax._numerics.computed_together`).
+
+  A loop that slices its key out of the step's keys differs from its
+  neighbours' by the slice: each pass would be a loop of its own to compile.
+  """
+  typed = jnp.issubdtype(keys[0].dtype, jax.dtypes.prng_key)
+  data = computed_together(*(jax.random.key_data(k) if typed else k for k in keys))
+  if not typed:
+    return list(data)
+  return [jax.random.wrap_key_data(d, impl=jax.random.key_impl(keys[0])) for d in data]
