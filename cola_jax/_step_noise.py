@@ -23,7 +23,7 @@ constraint, a shape and a dtype are drawn together:
   members' draws and the loops that fuse them are one computation with
   different operands, which XLA's CPU backend emits once for all of them. A
   constraint whose noise several loops read writes its draw to memory itself
-  (``Circle``'s pair, ``Implicit``'s vector).
+  (``Circle``'s pair, ``Orthogonal``'s matrix).
 
 Elsewhere (accelerators fuse multi-output loops; a sharded leaf keeps its
 draw beside its shards) each draw is an expression that its map's loops fuse.

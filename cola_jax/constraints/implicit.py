@@ -126,7 +126,7 @@ import numpy as np
 
 from cola_jax import _compiled, _noise
 from cola_jax._hyperparameters import check_loop, check_positive, check_positive_integer
-from cola_jax._numerics import bounded_while_loop, computed_together, max_abs
+from cola_jax._numerics import bounded_while_loop, max_abs
 from cola_jax.constraints import _axes
 from cola_jax.constraints._unit_layout import UnitLayout
 from cola_jax.constraints.base import Constraint
@@ -552,9 +552,7 @@ class Implicit(Constraint):
     return jnp.concatenate([grad.ravel(), jnp.zeros(point.slack.size, grad.dtype)])
 
   def ambient_normal(self, key, point):
-    # Read by several loops (one per reduction of the projection, and the result): written to memory once.
-    (noise,) = computed_together(_noise.normal(key, (point.x.size + point.slack.size,), point.x.dtype))
-    return noise
+    return _noise.normal(key, (point.x.size + point.slack.size,), point.x.dtype)
 
   def project(self, anchor, step):
     geometry = self._geometry(anchor.x.shape)
