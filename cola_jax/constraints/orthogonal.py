@@ -72,7 +72,13 @@ import jax.numpy as jnp
 
 from cola_jax import _compiled, _noise
 from cola_jax._hyperparameters import check_loop, check_positive, check_positive_integer
-from cola_jax._numerics import bounded_while_loop, computed_together, explicit_sharding, max_abs, power_of_two_scale
+from cola_jax._numerics import (
+  bounded_while_loop,
+  explicit_sharding,
+  max_abs,
+  one_matrix_at_a_time,
+  power_of_two_scale,
+)
 from cola_jax.constraints import _axes, stiefel_projection, stiefel_retraction
 from cola_jax.constraints.base import Constraint
 from cola_jax.constraints.stiefel_retraction import gram_defect, polar_of_tangent_step
@@ -140,7 +146,7 @@ def polar_factor(q: jax.Array) -> jax.Array:
   scale = power_of_two_scale(max_abs(q))
   # Eye in place of a non-finite matrix: the SVD always gets finite input.
   q = jnp.where(finite, q * scale, jnp.eye(*q.shape, dtype=q.dtype))
-  u, _, vt = jnp.linalg.svd(q, full_matrices=False)
+  u, _, vt = one_matrix_at_a_time(functools.partial(jnp.linalg.svd, full_matrices=False))(q)
   polar = jnp.where(finite, jnp.matmul(u, vt, precision=_HIGHEST), jnp.nan)
   return polar if replicated is None else jax.sharding.reshard(polar, sharding)
 
@@ -426,10 +432,8 @@ class Orthogonal(Constraint):
     return self._tall(grad)
 
   def ambient_normal(self, key, point):
-    noise = _noise.normal(key, point.matrix.shape, point.matrix.dtype, out_sharding=explicit_sharding(point.matrix))
-    # Read by several loops (the projection's products and the result): written to memory once. Six 512 x 512
-    # kernels' CoLA-od step held 146 shift-lefts (the hash's rotations) with it, 386 without (jax 0.10.2).
-    return computed_together(noise)[0]
+    m = point.matrix
+    return _noise.normal_paired(key, m.shape, m.dtype, out_sharding=explicit_sharding(m))
 
   def _has_root(self, q_n, step, fixed: bool):
     """False where the step provably has no root along the normal space at ``Q_n`` (or is not finite).

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cola_jax._numerics import bounded_while_loop, max_abs, power_of_two_scale
+from cola_jax._numerics import bounded_while_loop, max_abs, one_matrix_at_a_time, power_of_two_scale
 from cola_jax.constraints import stiefel_projection
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -193,7 +193,7 @@ def polar_of_tangent_step(m: jax.Array) -> jax.Array:
   m = _working(m)
   finite = jnp.all(jnp.isfinite(m))
   m = jnp.where(finite, m * power_of_two_scale(max_abs(m)), jnp.eye(*m.shape, dtype=m.dtype))
-  eigenvalues, vectors = jnp.linalg.eigh(stiefel_projection.gram(m, m))
+  eigenvalues, vectors = one_matrix_at_a_time(jnp.linalg.eigh)(stiefel_projection.gram(m, m))
   inverse_sqrt = jax.lax.rsqrt(jnp.maximum(eigenvalues, jnp.finfo(m.dtype).tiny))
   root = jnp.matmul(vectors * inverse_sqrt, vectors.T, precision=_HIGHEST)
   q = jnp.matmul(m, root, precision=_HIGHEST)
@@ -235,7 +235,7 @@ def qr_retraction(m: jax.Array, *, tolerance: float = 1e-6) -> tuple[jax.Array, 
   m = _working(m)
   finite = jnp.all(jnp.isfinite(m))
   m = jnp.where(finite, m * power_of_two_scale(max_abs(m)), jnp.eye(*m.shape, dtype=m.dtype))
-  q, r = jnp.linalg.qr(m)
+  q, r = one_matrix_at_a_time(jnp.linalg.qr)(m)
   q = q * jnp.where(jnp.diagonal(r) < 0, -1, 1).astype(q.dtype)
   converged = finite & (max_abs(gram_defect(q)) <= _tolerance(m, tolerance))
   return jnp.where(finite, q, jnp.nan), converged
