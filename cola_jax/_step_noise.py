@@ -12,10 +12,11 @@ transformer, whose 48 kernels each draw their own noise, compiled about ten
 times longer with noise than without. There the leaves that share a
 constraint, a shape and a dtype are drawn together:
 
-* a group whose draws take at most ``_ONE_PASS_BYTES`` in all is drawn in one
-  program, vectorised over its members' keys (the biases and norms of the
-  12-block transformer: 74 vectors in one loop), and written to memory;
-* a larger group (or a leaf alone) member by member, each draw after that
+* the arrays of a group's draws that take at most ``_ONE_PASS_BYTES`` in all
+  (per array of the draw) are drawn in one program, vectorised over the
+  members' keys (the biases and norms of the 12-block transformer: 74 vectors
+  in one loop; the slacks' noise of a ``MaxNorm`` group), and written to memory;
+* larger arrays (or a leaf alone) member by member, each draw after that
   member's gradient (:func:`~cola_jax._numerics.computed_after`): XLA's CPU
   scheduler runs an operation as early as its operands allow, and noise drawn
   from the key alone would be drawn before the forward pass and held through
@@ -69,15 +70,24 @@ def draw_leaves(draw: Draw, constraints: Sequence, points: Sequence, keys: Seque
     if group[0] is None:  # drawn where it is read
       noises[first] = one(keys[first])
       continue
-    size = sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(jax.eval_shape(one, keys[first])))
-    if len(members) > 1 and len(members) * size <= _ONE_PASS_BYTES:
-      drawn = _written_once(jax.vmap(one)(jnp.stack([keys[i] for i in members])))
-      for position, i in enumerate(members):
-        noises[i] = jax.tree.map(lambda x: x[position], drawn)
-    else:
+    # Per array of the draw: the small ones of every member in one program, the large ones member by member
+    # (each draw computed twice, XLA drops the arrays each program does not return).
+    shapes, treedef = jax.tree.flatten(jax.eval_shape(one, keys[first]))
+    small = [len(members) * x.size * jnp.dtype(x.dtype).itemsize <= _ONE_PASS_BYTES for x in shapes]
+    arrays: list[list] = [[None] * len(shapes) for _ in members]
+    if any(small):
+      stacked = jax.tree.leaves(jax.vmap(one)(jnp.stack([keys[i] for i in members])))
+      together = _written_once([x for x, s in zip(stacked, small) if s])
+      for position in range(len(members)):
+        drawn = iter(together)
+        arrays[position] = [next(drawn)[position] if s else None for s in small]
+    if not all(small):
       member_keys = _own_buffers([keys[i] for i in members]) if len(members) > 1 else [keys[first]]
-      for i, key in zip(members, member_keys):
-        noises[i] = one(computed_after(grads[i], key))
+      for position, (i, key) in enumerate(zip(members, member_keys)):
+        alone = jax.tree.leaves(one(computed_after(grads[i], key)))
+        arrays[position] = [a if s else x for a, x, s in zip(arrays[position], alone, small)]
+    for position, i in enumerate(members):
+      noises[i] = jax.tree.unflatten(treedef, arrays[position])
   return noises
 
 

@@ -193,7 +193,7 @@ class Euclidean(Constraint):
     return grad
 
   def ambient_normal(self, key, point):
-    return _noise.normal(key, point.shape, point.dtype, out_sharding=explicit_sharding(point))
+    return _noise.normal_paired(key, point.shape, point.dtype, out_sharding=explicit_sharding(point))
 
   def project(self, anchor, step):
     return anchor + step

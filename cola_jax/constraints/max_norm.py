@@ -329,10 +329,10 @@ class MaxNorm(Constraint):
 
   def ambient_normal(self, key, point):
     w, xi = point
-    key_w, key_xi = jax.random.split(key)
+    # The slacks' key folded in written out: jax.random.split compiles, on CPU, to a loop of its own per leaf.
     return (
-      _noise.normal(key_w, w.shape, w.dtype, out_sharding=explicit_sharding(w)),
-      _noise.normal(key_xi, xi.shape, xi.dtype, out_sharding=explicit_sharding(xi)),
+      _noise.normal_paired(key, w.shape, w.dtype, out_sharding=explicit_sharding(w)),
+      _noise.normal(_noise.fold_in(key, 1), xi.shape, xi.dtype, out_sharding=explicit_sharding(xi)),
     )
 
   def project(self, anchor, step):
@@ -371,7 +371,7 @@ class MaxNorm(Constraint):
   def cotangent_draw(self, key, point):
     """The cotangent noise's coordinates, shaped like ``w``."""
     w, _ = point
-    return _noise.normal(key, w.shape, w.dtype, out_sharding=explicit_sharding(w))
+    return _noise.normal_paired(key, w.shape, w.dtype, out_sharding=explicit_sharding(w))
 
   def cotangent_normal(self, point, draw):
     return draw

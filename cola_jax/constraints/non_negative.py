@@ -221,11 +221,7 @@ class NonNegative(Constraint):
 
   def ambient_normal(self, key, point):
     w, _ = point
-    sharding = explicit_sharding(w)
-    if sharding is not None:  # the pair axis in front, unsharded
-      sharding = sharding.update(spec=jax.sharding.PartitionSpec(None, *sharding.spec))
-    noise = _noise.normal(key, (2,) + w.shape, w.dtype, out_sharding=sharding)
-    return noise[0], noise[1]
+    return _noise.normal_pair(key, w.shape, w.dtype, out_sharding=explicit_sharding(w))
 
   def project(self, anchor, step):
     w0, s0 = anchor
@@ -248,7 +244,7 @@ class NonNegative(Constraint):
   def cotangent_draw(self, key, point):
     """The cotangent noise's coordinates, shaped like ``w``."""
     w, _ = point
-    return _noise.normal(key, w.shape, w.dtype, out_sharding=explicit_sharding(w))
+    return _noise.normal_paired(key, w.shape, w.dtype, out_sharding=explicit_sharding(w))
 
   def cotangent_normal(self, point, draw):
     return draw
