@@ -261,8 +261,8 @@ def main(argv=None) -> dict:
     p.error("--grid takes NAME=LR,LR,...")
   started = time.perf_counter()
   if args.smoke:
-    # One seed: manifold_muon vmapped over two seeds deadlocked on multi-core XLA:CPU (see its docstring).
-    args.epochs, args.seeds, args.manifold_muon_seeds = 1, 1, 1
+    # Two seeds of cola's methods: the vmapped training loop over seeds runs (it once deadlocked manifold_muon).
+    args.epochs, args.seeds, args.manifold_muon_seeds = 1, 2, 1
   out = args.out or (tempfile.mkdtemp(prefix="muon-") if args.smoke else os.path.join("results", "comparisons"))
   os.makedirs(out, exist_ok=True)
   path = os.path.join(out, "muon.json")
