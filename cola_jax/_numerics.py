@@ -387,6 +387,16 @@ def concrete_float(value: Any) -> float | None:
     return None
 
 
+def is_prng_key(x) -> bool:
+  """Whether ``x`` is a JAX PRNG key: a typed key, or a raw ``uint32`` key (last axis 2)."""
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    return False
+  if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+    return True
+  return dtype == jnp.uint32 and getattr(x, "shape", ())[-1:] == (2,)
+
+
 def on_one_cpu_device() -> bool:
   """Whether the step runs on XLA's CPU backend with one device, where the scheduling workarounds apply."""
   return jax.default_backend() == "cpu" and jax.device_count() == 1

@@ -29,7 +29,7 @@ import optax
 
 from cola_jax import _compiled, _step_noise, langevin
 from cola_jax._hyperparameters import caller, check_floating_dtype, check_nonnegative, check_positive
-from cola_jax._numerics import computed_after, concrete_float, explicit_sharding, on_one_cpu_device
+from cola_jax._numerics import computed_after, concrete_float, explicit_sharding, is_prng_key, on_one_cpu_device
 from cola_jax._tree import (
   NOT_PARAMS,
   ConstraintSpec,
@@ -96,19 +96,10 @@ def _check_hyperparameters(owner, learning_rate, temperature, key) -> bool:
         f"{owner}: temperature {temperature!r} needs a PRNG key to draw its noise: pass key=jax.random.key(seed)."
       )
     return False
-  if not _is_prng_key(key):
+  if not is_prng_key(key):
     raise TypeError(f"{owner}: key must be a JAX PRNG key such as jax.random.key(seed), got {key!r}.")
   exact_zero = isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature == 0
   return not exact_zero
-
-
-def _is_prng_key(key) -> bool:
-  dtype = getattr(key, "dtype", None)
-  if dtype is None:
-    return False
-  if jnp.issubdtype(dtype, jax.dtypes.prng_key):
-    return True
-  return dtype == jnp.uint32 and getattr(key, "shape", ())[-1:] == (2,)
 
 
 def _at(value, count) -> Any:

@@ -177,3 +177,43 @@ def test_the_groups_noise_is_drawn_after_the_gradients_not_held_through_the_back
   # two members' draws are alive at once (jax 0.10.2: 2.0 layers for both), and the keys (bytes).
   extra = temporaries_in_leaves(dynamics, constraint, 1e-4) - temporaries_in_leaves(dynamics, constraint, 0.0)
   assert extra < 2 * arrays_per_member + 0.01
+
+
+def test_a_key_where_the_numbers_go_is_drawn_from_with_a_deprecation_warning():
+  circle, w = cola.Circle(1.0), jnp.array([0.6, -0.6, 0.1])
+  point, grad, key = circle.point(w, circle.init(w)), jnp.array([1.0, -2.0, 0.5]), jax.random.key(4)
+  momentum = jnp.array([0.3, 0.1, -0.2])
+  cases = [
+    ("overdamped_step", "overdamped", lambda **kw: langevin.overdamped_step(circle, point, grad, 0.1, 0.2, **kw)),
+    ("o_step", "BAOAB", lambda **kw: langevin.o_step(circle, point, momentum, 0.9, 0.2, **kw)),
+    ("oba_step", "OBA", lambda **kw: langevin.oba_step(circle, point, momentum, grad, 0.1, 0.9, 0.2, **kw)),
+    ("baoab_step", "BAOAB", lambda **kw: langevin.baoab_step(circle, point, momentum, grad, 0.1, 0.1, 0.9, 0.2, **kw)),
+  ]
+  for name, dynamics, step in cases:
+    want = step(noise=langevin.draw_noise(circle, key, point, dynamics))
+    for old in ({"key": key}, {"noise": key}):  # key=, or a key passed positionally where noise now goes
+      with pytest.warns(DeprecationWarning, match=rf"langevin\.{name}: the PRNG key .*draw_noise"):
+        got = step(**old)
+      for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_old_cotangent_normal_spellings_work_with_a_deprecation_warning():
+  circle, w, key = cola.Circle(1.0), jnp.array([0.6, -0.6]), jax.random.key(5)
+  point = circle.point(w, circle.init(w))
+  with pytest.warns(DeprecationWarning, match=r"call cotangent_normal\(point, cotangent_draw\(key, point\)\)"):
+    old = circle.cotangent_normal(key, point)
+  np.testing.assert_array_equal(old, circle.cotangent_normal(point, circle.cotangent_draw(key, point)))
+
+  with pytest.warns(
+    DeprecationWarning, match=r"OldStyle.cotangent_normal\(key, point\) is deprecated: define cotangent_draw"
+  ):
+
+    class OldStyle(Euclidean):
+      def cotangent_normal(self, key, point):  # the signature before cotangent_draw
+        raise AssertionError("no longer called")
+
+  params = {"w": jnp.ones((4, 3))}
+  tx = cola.cola_ud(0.1, friction=1.0, constraints=OldStyle(), temperature=1.0, key=jax.random.key(6))
+  updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+  assert np.all(np.isfinite(updates["w"])) and np.any(updates["w"] != 0)  # the default draw, projected
