@@ -39,17 +39,14 @@ How ``A`` is found.
   msign(G + 2 W Lambda)``) solves the same problem: its objective is
   non-smooth wherever ``G + 2 W Lambda`` loses rank, and there it stalls.
 
-Under ``jax.vmap`` a step loops over the models (seeds), each leaf's
-direction and retraction one model at a time, and
+On XLA:CPU, under ``jax.vmap`` a step loops over the models (seeds), each
+leaf's direction and retraction one model at a time, and
 :func:`steepest_tangent_direction` loops over a batch of matrices (a stacked
-leaf's), by ``jax.custom_batching.sequential_vmap``: jaxlib 0.10.2's CPU
-LAPACK kernels (``eigh``, ``svd``, ``qr``) split a batch of large matrices
-into tasks on XLA:CPU's intra-op thread pool and block the pool thread that
-runs them until the tasks are done. With every pool thread blocked so (two
-on two cores: one leaf's ADMM ``eigh`` and another's ``svd``) no thread was
-left to run the tasks, and a step over two seeds of a 784-128-64-10 MLP
-deadlocked. Given one matrix, LAPACK runs on the calling thread. A model's
-result under ``vmap`` is its unbatched step's, to float32 rounding.
+leaf's) (:func:`~cola_jax._numerics.one_matrix_at_a_time`): jaxlib 0.10.2's
+batched CPU LAPACK kernels block the pool threads their own tasks need, and a
+step over two seeds of a 784-128-64-10 MLP deadlocked (one leaf's ADMM
+``eigh`` and another's ``svd``). A model's result under ``vmap`` is its
+unbatched step's, to float32 rounding.
 
 ``A`` depends on the direction of ``G`` only (``A(c G) = A(G)`` for ``c >
 0``): the learning rate alone sets the length of the step, ``eta`` in the
@@ -73,7 +70,7 @@ import jax.numpy as jnp
 import optax
 
 from cola_jax._hyperparameters import caller, check_nonnegative, check_positive, check_positive_integer
-from cola_jax._numerics import max_abs, power_of_two_scale
+from cola_jax._numerics import max_abs, one_matrix_at_a_time, power_of_two_scale
 from cola_jax._tree import (
   NOT_PARAMS,
   ConstraintSpec,
@@ -248,7 +245,7 @@ def steepest_tangent_direction(
     True
   """
   direction = lambda w, g: _steepest_tangent_direction(w, g, tolerance, max_iterations)
-  return jax.custom_batching.sequential_vmap(direction)(w, g)
+  return one_matrix_at_a_time(direction)(w, g)
 
 
 def manifold_muon(
@@ -383,7 +380,7 @@ def manifold_muon(
         new_auxes.append(aux)
         infos.append(None)
         continue
-      new_param, new_aux, info = jax.custom_batching.sequential_vmap(functools.partial(leaf_step, c))(p, aux, d, eta)
+      new_param, new_aux, info = one_matrix_at_a_time(functools.partial(leaf_step, c))(p, aux, d, eta)
       new_params.append(new_param)
       new_auxes.append(new_aux)
       infos.append(info)
