@@ -56,13 +56,13 @@ def draw_leaves(draw: Draw, constraints: Sequence, points: Sequence, keys: Seque
   """
   noises: list[Any] = [None] * len(keys)
   groups: dict[Any, list[int]] = {}
-  together = on_one_cpu_device()
+  grouping = on_one_cpu_device()
   for i, (c, point, key) in enumerate(zip(constraints, points, keys)):
     if key is None:
       continue
     leaves = jax.tree.leaves(point)
-    alone = not together or any(explicit_sharding(x) is not None for x in leaves)
-    group = (hashable(c), tuple((x.shape, jnp.dtype(x.dtype)) for x in leaves)) if not alone else (None, i)
+    alone = not grouping or any(explicit_sharding(x) is not None for x in leaves)
+    group = (None, i) if alone else (hashable(c), tuple((x.shape, jnp.dtype(x.dtype)) for x in leaves))
     groups.setdefault(group, []).append(i)
   for group, members in groups.items():
     first = members[0]
@@ -77,24 +77,18 @@ def draw_leaves(draw: Draw, constraints: Sequence, points: Sequence, keys: Seque
     arrays: list[list] = [[None] * len(shapes) for _ in members]
     if any(small):
       stacked = jax.tree.leaves(jax.vmap(one)(jnp.stack([keys[i] for i in members])))
-      together = _written_once([x for x, s in zip(stacked, small) if s])
+      written = [computed_together(x)[0] for x, s in zip(stacked, small) if s]  # each written to memory once
       for position in range(len(members)):
-        drawn = iter(together)
+        drawn = iter(written)
         arrays[position] = [next(drawn)[position] if s else None for s in small]
     if not all(small):
       member_keys = _own_buffers([keys[i] for i in members]) if len(members) > 1 else [keys[first]]
       for position, (i, key) in enumerate(zip(members, member_keys)):
-        alone = jax.tree.leaves(one(computed_after(grads[i], key)))
-        arrays[position] = [a if s else x for a, x, s in zip(arrays[position], alone, small)]
+        own = jax.tree.leaves(one(computed_after(grads[i], key)))
+        arrays[position] = [a if s else x for a, x, s in zip(arrays[position], own, small)]
     for position, i in enumerate(members):
       noises[i] = jax.tree.unflatten(treedef, arrays[position])
   return noises
-
-
-def _written_once(tree):
-  """``tree``'s arrays, each written to memory once (:func:`~cola_jax._numerics.computed_together`)."""
-  leaves, treedef = jax.tree.flatten(tree)
-  return jax.tree.unflatten(treedef, [computed_together(x)[0] for x in leaves])
 
 
 def _own_buffers(keys: list) -> list:
