@@ -130,3 +130,68 @@ def write_report(out_dir: str, name: str, argv: list, started: float, config: di
   write_json(path, report)
   print(f"\nwrote {path}")
   return report
+
+
+def load_json(path: str) -> dict:
+  with open(path) as f:
+    return json.load(f)
+
+
+def _join_values(values: list, counts: list[int], where: str):
+  """Per-seed values of runs that split the seeds, joined: lists of one entry per seed concatenated,
+  histories (``{"epoch": [...], curve: [[seed values] per evaluation]}``) joined row by row, numbers
+  (means over a run's seeds) averaged with the runs' seed counts as weights."""
+  first = values[0]
+  if isinstance(first, dict) and "epoch" in first:
+    if any(v["epoch"] != first["epoch"] for v in values):
+      raise ValueError(f"join_seeds: {where}: the runs were evaluated at different epochs")
+    curves = {
+      k: [[x for row in rows for x in row] for rows in zip(*(v[k] for v in values))] for k in first if k != "epoch"
+    }
+    return {"epoch": first["epoch"], **curves}
+  if isinstance(first, dict):
+    return {k: _join_values([v[k] for v in values], counts, f"{where}/{k}") for k in first}
+  if isinstance(first, list) and all(len(v) == c for v, c in zip(values, counts)):
+    return [x for v in values for x in v]
+  if isinstance(first, (int, float)) and not isinstance(first, bool):
+    return sum(v * c for v, c in zip(values, counts)) / sum(counts)
+  raise ValueError(f"join_seeds: {where}: cannot tell how to join {type(first).__name__} values")
+
+
+def join_seeds(parts: list[dict], ignore: tuple = ("seeds", "epochs_completed")) -> dict:
+  """One results JSON from runs of one protocol that each ran some of the seeds (each method's
+  ``results`` holding one value per seed), in seed order. The runs must agree on the data, the
+  methods and the config but for ``ignore``; their commands, dates and machines are kept in
+  ``joined_from``."""
+  parts = sorted(parts, key=lambda r: r["seeds"][0])
+  seeds = [s for r in parts for s in r["seeds"]]
+  if len(set(seeds)) != len(seeds):
+    raise ValueError(f"join_seeds: a seed is in more than one run: {seeds}")
+  config_of = lambda r: {k: v for k, v in r["config"].items() if k not in ignore}
+  for r in parts[1:]:
+    differs = sorted(
+      k for k in {**config_of(parts[0]), **config_of(r)} if config_of(parts[0]).get(k) != config_of(r).get(k)
+    )
+    if differs or r["data"] != parts[0]["data"] or list(r["results"]) != list(parts[0]["results"]):
+      raise ValueError(
+        f"join_seeds: the runs differ in more than their seeds: {', '.join(differs) or 'data or methods'}"
+      )
+  counts = [len(r["seeds"]) for r in parts]
+  return {
+    **parts[0],
+    "status": "complete" if all(r["status"] == "complete" for r in parts) else "running",
+    "config": {
+      **parts[0]["config"],
+      "seeds": len(seeds),
+      "epochs_completed": min(r["config"]["epochs_completed"] for r in parts),
+    },
+    "seeds": seeds,
+    "results": {m: _join_values([r["results"][m] for r in parts], counts, m) for m in parts[0]["results"]},
+    "command": " ; ".join(r["command"] for r in parts) + f"  ({len(parts)} runs, seeds joined)",
+    "argv": [r["argv"] for r in parts],
+    "date": max(r["date"] for r in parts),
+    "wall_time_s": sum(r["wall_time_s"] for r in parts),
+    "joined_from": [
+      {k: r[k] for k in ("seeds", "command", "date", "machine", "versions", "wall_time_s")} for r in parts
+    ],
+  }

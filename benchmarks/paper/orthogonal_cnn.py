@@ -50,7 +50,7 @@ import numpy as np
 import optax
 
 import cola_jax as cola
-from benchmarks.harness import cli, data, images, models, report, schedules, stepwise, train, vision
+from benchmarks.harness import cli, data, images, models, records, report, schedules, stepwise, train, vision
 
 SCHEMA_VERSION = 1
 METHODS = ("ocola_ud", "sgdm", "sgdm_wd")
@@ -91,6 +91,41 @@ def kernel_entry(runs: Sequence[stepwise.Run], method: str) -> dict:
   return out
 
 
+def summarize(results: dict) -> dict:
+  """Mean and standard deviation over the seeds of each method's entry, and o-CoLA-ud's largest residual."""
+  summary = {m: report.summary(r) for m, r in results.items() if r}
+  for m, r in results.items():
+    if "constraint_residuals" in r:
+      summary[m]["max_constraint_residual"] = max(max(v) for v in r["constraint_residuals"].values())
+  return summary
+
+
+def draw(out: dict, png_path: str) -> None:
+  config = out["config"]
+  report.plot_curves(
+    png_path,
+    PANELS,
+    {m: r for m, r in out["results"].items() if r},
+    out["methods"],
+    f"{config['model']} on {'SYNTHETIC ' if out['data']['synthetic'] else ''}{config['dataset']} "
+    f"({config['n_train']} train / {config['n_test']} test images), batch {config['batch_size']}, lr / 10 at epochs "
+    f"{list(config['decay_epochs'])} (dotted), {len(out['seeds'])} seeds",
+    marks=config["decay_epochs"],
+  )
+
+
+def merge(paths: Sequence[str], out_dir: str) -> dict:
+  """Joins runs of one protocol that split the seeds (``--first-seed``) into ``out_dir``."""
+  parts = [records.load_json(p) for p in paths]
+  out = records.join_seeds(parts, ignore=("seeds", "epochs_completed"))
+  out["summary"] = summarize(out["results"])
+  os.makedirs(out_dir, exist_ok=True)
+  report.write_json(os.path.join(out_dir, "orthogonal_cnn.json"), out)
+  draw(out, os.path.join(out_dir, "orthogonal_cnn.png"))
+  print(f"joined seeds {out['seeds']} into {out_dir}")
+  return out
+
+
 def parse_args(argv):
   p = cli.parser(
     "Orthogonal convolutions: o-CoLA-ud (every conv kernel but the first orthonormal) against SGD-m with "
@@ -117,7 +152,11 @@ def parse_args(argv):
   p.add_argument("--batch-size", type=int, default=128, help="minibatch size (the paper's 128)")
   p.add_argument("--width", type=int, default=64, help="ResNet channels of the first stage")
   p.add_argument("--no-augment", action="store_true", help="no random crop and flip on CIFAR-10")
+  p.add_argument("--first-seed", type=int, default=0, help="run seeds first-seed .. first-seed + seeds - 1")
+  cli.merge_flag(p, "join runs of one protocol that split the seeds into --out")
   args = p.parse_args(argv)
+  if args.merge and not args.out:
+    p.error("--merge needs --out")
   args.dataset = args.dataset or ("fashion_mnist" if args.model == "small" else "cifar10")
   args.n_train = args.n_train or (10_000 if args.dataset == "fashion_mnist" else 50_000)
   if args.smoke:
@@ -125,6 +164,9 @@ def parse_args(argv):
       setattr(args, k, v)
   if min(args.seeds, args.n_test, args.width, args.batch_size) < 1 or args.n_train < args.batch_size:
     p.error("--seeds, --n-test, --width, --batch-size must be positive and --n-train >= --batch-size")
+  if args.first_seed < 0:
+    p.error("--first-seed must be non-negative")
+  args.seed_list = list(range(args.first_seed, args.first_seed + args.seeds))
   args.eval_every = cli.eval_every(p, args.epochs, args.eval_every)
   args.decay_epochs = tuple(schedules.thirds(args.epochs) if args.decay_epochs is None else args.decay_epochs)
   args.augment = args.dataset == "cifar10" and not args.no_augment
@@ -135,6 +177,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
   """Runs the comparison; writes ``orthogonal_cnn.json`` and ``.png`` under ``--out``; returns the JSON's dict."""
   argv = list(sys.argv[1:] if argv is None else argv)
   args, start = parse_args(argv), time.perf_counter()
+  if args.merge:
+    return merge(args.merge, args.out)
   try:
     dataset = images.image_dataset(
       args.dataset, args.data_dir, args.n_train, args.n_test, synthetic=args.synthetic, allow_synthetic=args.smoke
@@ -150,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     tx = make_optimizer(m, steps_per_epoch, args.decay_epochs)
     augment = images.crop_and_flip if args.augment else None
     fns = stepwise.method(model, tx, dataset.x_train.shape[1:], args.batch_size, images.scaler(*stats), augment)
-    runs[m] = [stepwise.Run(fns, seed, on_device, args.eval_every) for seed in range(args.seeds)]
+    runs[m] = [stepwise.Run(fns, seed, on_device, args.eval_every) for seed in args.seed_list]
   params0 = runs[args.methods[0]][0].init_variables[0]
   h_phases = [math.sqrt(SGD_LR * DECAY_FACTOR**i) for i in range(len(args.decay_epochs) + 1)]
   sgd_equivalent = [
@@ -186,10 +230,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
   def write(status: str) -> dict:
     results = {m: {**stepwise.entry(r), **kernel_entry(r, m)} if r[0].epochs_done else {} for m, r in runs.items()}
-    summary = {m: report.summary(r) for m, r in results.items() if r}
-    for m, r in results.items():
-      if "constraint_residuals" in r:
-        summary[m]["max_constraint_residual"] = max(max(v) for v in r["constraint_residuals"].values())
     out = {
       "schema_version": SCHEMA_VERSION,
       "experiment": "orthogonal convolutions, o-CoLA-ud vs SGD-m (Leimkuhler et al., Constraint-Based "
@@ -198,22 +238,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
       "config": {**config, "epochs_completed": min(r[0].epochs_done for r in runs.values())},
       "data": dataset.info,
       "methods": {m: DESCRIBE[m] for m in args.methods},
-      "seeds": list(range(args.seeds)),
+      "seeds": args.seed_list,
       "results": results,
-      "summary": summary,
+      "summary": summarize(results),
       **report.provenance(argv, start, packages=("flax",)),
     }
     report.write_json(json_path, out)
-    report.plot_curves(
-      png_path,
-      PANELS,
-      {m: r for m, r in results.items() if r},
-      out["methods"],
-      f"{args.model} on {'SYNTHETIC ' if dataset.info['synthetic'] else ''}{args.dataset} ({args.n_train} train / "
-      f"{args.n_test} test images), batch {args.batch_size}, lr / 10 at epochs {list(args.decay_epochs)} (dotted), "
-      f"{args.seeds} seeds",
-      marks=args.decay_epochs,
-    )
+    draw(out, png_path)
     return out
 
   def after_round(epoch: int) -> None:
@@ -223,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
       + "  ".join(f"{m}: {100 * s['test_accuracy_mean']:.2f}%/{s['test_loss_mean']:.3f}" for m, s in means)
     )
 
-  seed_runs = {f"{m} seed {s}": r for m, rs in runs.items() for s, r in enumerate(rs)}
+  seed_runs = {f"{m} seed {r.seed}": r for m, rs in runs.items() for r in rs}
   bar = report.progress(len(seed_runs) * (args.epochs // args.eval_every), args.quiet)
   train.train(seed_runs, args.epochs, progress=bar, after_round=after_round)
   bar.close()
