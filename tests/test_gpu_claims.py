@@ -86,6 +86,18 @@ def write(path, data):
 def test_the_plan_leaves_out_what_is_committed(gc, tmp_path):
   args = gc.parse_args(["--results", str(tmp_path), "--out", str(tmp_path / "run")])
   assert [u.part for u in gc.plan(args)] == ["transformer"] * 2 + ["resnet18"] * 5 + ["scale"] * 7 + ["retractions"]
+  lm = {
+    "status": "complete",
+    "config": {"epochs": 200},
+    "seeds": [0, 4],
+    "results": {"ccola_ud": {}, "sgdm_h0.1_m0.8": {}},
+  }
+  write(str(tmp_path / "paper" / "transformer_lm.json"), lm)
+  lm_units = [u for u in gc.plan(args) if u.part == "transformer"]
+  assert [u.name for u in lm_units] == ["ccola_ud_seeds1-3", "sgdm_h0.1_m0.8_seeds1-3"]  # the seeds not committed
+  assert lm_units[0].args[lm_units[0].args.index("--first-seed") + 1] == "1"
+  grouped = gc.parse_args(["--results", str(tmp_path), "--seed-groups", "0,1-2,3"])
+  assert [u.name for u in gc.plan(grouped) if u.part == "transformer"][:2] == ["ccola_ud_seeds1-2", "ccola_ud_seeds3-3"]
   lm = {"status": "complete", "config": {"epochs": 200}, "seeds": list(range(5)), "results": {"ccola_ud": {}}}
   write(str(tmp_path / "paper" / "transformer_lm.json"), lm)
   cnn_config = {**gc.RESNET, "constraints": repr(gc.orthogonal_cnn.ORTHOGONAL)}
@@ -99,7 +111,7 @@ def test_the_plan_leaves_out_what_is_committed(gc, tmp_path):
     {"results": rows[:3] + [{"family": "circle", "dynamics": "od", "temperature": 1e-6}, rows[3]]},
   )
   units = gc.plan(args)
-  assert [u.name for u in units if u.part == "transformer"] == ["sgdm_h0.1_m0.8"]
+  assert [u.name for u in units if u.part == "transformer"] == ["sgdm_h0.1_m0.8_seeds0-4"]
   assert [u.name for u in units if u.part == "resnet18"] == ["seed2", "seed3", "seed4"]
   assert "box" not in [u.name for u in units if u.part == "scale"] and "circle" in [u.name for u in units]
   # seeds of another protocol or of older constraints are run again

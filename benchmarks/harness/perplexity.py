@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import models, report
+from . import models, records, report
 from .lm import LMRun
 
 MAX_ABS = "max_abs_w_"  # probes named max_abs_w_<group> are reported as max_abs_weight[group]
@@ -115,8 +115,25 @@ def show(out: Mapping, png_path: str, labels: Mapping[str, str], published: Mapp
 
 
 def merge(reports: Sequence[dict]) -> dict:
-  """One results JSON from runs of the same protocol with different methods (e.g. one process per
-  method on a GPU): results, summaries and method names joined, commands and argv listed."""
+  """One results JSON from runs of the same protocol that split the methods (e.g. one process per
+  method on a GPU), the seeds (``--first-seed``), or both: the runs of the same seeds joined by
+  :func:`merge_methods`, then the seeds joined (:func:`harness.records.join_seeds`)."""
+  by_seeds: dict[tuple, list] = {}
+  for r in reports:
+    by_seeds.setdefault(tuple(r["seeds"]), []).append(r)
+  joined = [merge_methods(sorted(group, key=lambda r: r["config"]["methods"])) for group in by_seeds.values()]
+  if len(joined) == 1:
+    return joined[0]
+  out = records.join_seeds(joined)
+  out["summary"] = {m: summary(r) for m, r in out["results"].items() if r}
+  return out
+
+
+def merge_methods(reports: Sequence[dict]) -> dict:
+  """One results JSON from runs of the same protocol and seeds with different methods: results,
+  summaries and method names joined, commands and argv listed."""
+  if len(reports) == 1:
+    return reports[0]
   first = reports[0]
   config_of = lambda r: {k: v for k, v in r["config"].items() if k not in ("methods", "epochs_completed")}
   for r in reports[1:]:

@@ -137,22 +137,27 @@ def load_json(path: str) -> dict:
     return json.load(f)
 
 
+AXES = ("epoch", "step")  # the evaluations' positions, the same in every run joined
+
+
 def _join_values(values: list, counts: list[int], where: str):
   """Per-seed values of runs that split the seeds, joined: lists of one entry per seed concatenated,
-  histories (``{"epoch": [...], curve: [[seed values] per evaluation]}``) joined row by row, numbers
-  (means over a run's seeds) averaged with the runs' seed counts as weights."""
-  first = values[0]
-  if isinstance(first, dict) and "epoch" in first:
-    if any(v["epoch"] != first["epoch"] for v in values):
-      raise ValueError(f"join_seeds: {where}: the runs were evaluated at different epochs")
-    curves = {
-      k: [[x for row in rows for x in row] for rows in zip(*(v[k] for v in values))] for k in first if k != "epoch"
-    }
-    return {"epoch": first["epoch"], **curves}
+  curves (one list of seed values per evaluation) joined row by row, the evaluations' epochs and
+  steps and other values the runs share kept, numbers that differ (means over a run's seeds)
+  averaged with the runs' seed counts as weights."""
+  first, key = values[0], where.rsplit("/", 1)[-1]
   if isinstance(first, dict):
     return {k: _join_values([v[k] for v in values], counts, f"{where}/{k}") for k in first}
+  if key in AXES:
+    if any(v != first for v in values):
+      raise ValueError(f"join_seeds: {where}: the runs were evaluated at different {key}s")
+    return first
+  if isinstance(first, list) and first and isinstance(first[0], list):
+    return [[x for row in rows for x in row] for rows in zip(*values, strict=True)]
   if isinstance(first, list) and all(len(v) == c for v, c in zip(values, counts)):
     return [x for v in values for x in v]
+  if all(v == first for v in values):
+    return first
   if isinstance(first, (int, float)) and not isinstance(first, bool):
     return sum(v * c for v, c in zip(values, counts)) / sum(counts)
   raise ValueError(f"join_seeds: {where}: cannot tell how to join {type(first).__name__} values")

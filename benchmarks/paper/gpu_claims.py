@@ -82,11 +82,12 @@ def committed(path: str) -> dict | None:
     return None
 
 
-def done_lm_methods(results_dir: str, seeds: int, epochs: int) -> set:
+def done_lm_seeds(results_dir: str, epochs: int) -> dict:
+  """Method -> the seeds the committed transformer results hold at ``epochs`` epochs."""
   out = committed(os.path.join(results_dir, "paper", "transformer_lm.json"))
   if not out or out["status"] != "complete" or out["config"]["epochs"] != epochs:
-    return set()
-  return set(out["results"]) if out["seeds"] == list(range(seeds)) else set()
+    return {}
+  return {m: set(out["seeds"]) for m in out["results"]}
 
 
 def done_resnet_seeds(results_dir: str, protocol: dict) -> set:
@@ -109,13 +110,20 @@ def plan(args) -> list[Unit]:
   units: list[Unit] = []
   estimate = (lambda part: SMOKE_ESTIMATE) if args.smoke else ESTIMATES.get
   if "transformer" in args.parts:
-    size = ["--smoke"] if args.smoke else ["--epochs", str(LM_EPOCHS), "--seeds", str(args.seeds)]
-    epochs, seeds = (3, 2) if args.smoke else (LM_EPOCHS, args.seeds)
-    for m in sorted(set(LM_METHODS) - done_lm_methods(args.results, seeds, epochs), key=LM_METHODS.index):
-      lm_args = [*size, "--methods", m, "--data-dir", args.data_dir, "--quiet"]
-      units.append(
-        Unit("transformer", m, "benchmarks.paper.transformer_lm", lm_args, "transformer", estimate("transformer"))
-      )
+    size = ["--smoke"] if args.smoke else ["--epochs", str(LM_EPOCHS)]
+    done = done_lm_seeds(args.results, 3 if args.smoke else LM_EPOCHS)
+    for m in LM_METHODS:
+      missing = sorted(set(range(args.seeds)) - done.get(m, set()))
+      for group in args.seed_groups or consecutive(missing):
+        if not set(group) <= done.get(m, set()):
+          seeds = ["--seeds", str(len(group)), "--first-seed", str(group[0])]
+          lm_args = [*size, *seeds, "--methods", m, "--data-dir", args.data_dir, "--quiet"]
+          name = f"{m}_seeds{group[0]}-{group[-1]}"
+          units.append(
+            Unit(
+              "transformer", name, "benchmarks.paper.transformer_lm", lm_args, "transformer", estimate("transformer")
+            )
+          )
   if "resnet18" in args.parts:
     protocol = {"epochs": 2, "n_train": 256} if args.smoke else RESNET
     size = ["--synthetic", "--n-test", "256", "--batch-size", "64", "--width", "4"] if args.smoke else []
@@ -233,6 +241,33 @@ def run(args, argv: list) -> list[Unit]:
   return units
 
 
+def consecutive(seeds: Sequence[int]) -> list[list[int]]:
+  """Sorted ``seeds`` as runs of consecutive seeds: ``[0, 1, 3]`` -> ``[[0, 1], [3]]``."""
+  groups: list[list[int]] = []
+  for s in seeds:
+    if groups and s == groups[-1][-1] + 1:
+      groups[-1].append(s)
+    else:
+      groups.append([s])
+  return groups
+
+
+def seed_groups(p: argparse.ArgumentParser, text: str | None) -> list[list[int]] | None:
+  """``"0-3,4"`` -> ``[[0, 1, 2, 3], [4]]``; None stays None (the seeds missing from the committed results)."""
+  if text is None:
+    return None
+  groups = []
+  for part in filter(None, (t.strip() for t in text.split(","))):
+    lo, _, hi = part.partition("-")
+    try:
+      groups.append(list(range(int(lo), int(hi or lo) + 1)))
+    except ValueError:
+      p.error(f"--seed-groups: expected groups such as 0-3,4; got {text!r}")
+  if not groups or any(not g or g[0] < 0 for g in groups):
+    p.error(f"--seed-groups: expected non-empty groups of non-negative seeds such as 0-3,4; got {text!r}")
+  return groups
+
+
 def parse_args(argv):
   p = argparse.ArgumentParser(
     description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -240,6 +275,12 @@ def parse_args(argv):
   p.add_argument("--deadline", type=float, default=540.0, help="seconds from the start; units still running then stop")
   p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}, in priority order")
   p.add_argument("--seeds", type=int, default=SEEDS, help="seeds per method, 0..seeds-1")
+  p.add_argument(
+    "--seed-groups",
+    help="the transformer's seeds as groups of consecutive seeds, one process per method and group, all at once "
+    "(e.g. 0-3,4); a group is run unless the committed results hold it (default: the seeds they lack, "
+    "each run of consecutive seeds a group)",
+  )
   p.add_argument("--data-dir", default="data", help="folder holding kjv.txt and fashion-mnist/")
   p.add_argument("--results", default="results/gpu", help="committed GPU results: what is there is not run again")
   p.add_argument("--out", help="the run's folder (default: a new temporary folder)")
@@ -252,6 +293,7 @@ def parse_args(argv):
     p.error(f"--parts: unknown {unknown}; choose from {', '.join(PARTS)}")
   if args.seeds < 1 or not args.deadline > 0:
     p.error("--seeds and --deadline must be positive")
+  args.seed_groups = seed_groups(p, args.seed_groups)
   return args
 
 

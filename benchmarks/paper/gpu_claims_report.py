@@ -153,12 +153,11 @@ def merge(run_dir: str, results_dir: str) -> dict:
   if lm_units:
     parts = [unit_file(run_dir, u, "transformer_lm.json") for u in lm_units]
     committed = os.path.join(paper, "transformer_lm.json")
-    if os.path.exists(committed):
-      old = records.load_json(committed)
-      new_methods = {u["name"] for u in lm_units}
-      if old["seeds"] == records.load_json(parts[0])["seeds"] and not new_methods & set(old["results"]):
-        parts.insert(0, committed)
-    transformer_lm.main(["--merge", *parts, "--out", paper])
+    try:
+      transformer_lm.main(["--merge", *([committed] if os.path.exists(committed) else []), *parts, "--out", paper])
+    except ValueError as error:  # the committed seeds ran another protocol: replaced
+      print(f"the committed {committed} is replaced, not joined: {error}")
+      transformer_lm.main(["--merge", *parts, "--out", paper])
     append_logs(run_dir, lm_units, os.path.join(paper, "transformer_lm.log"))
   cnn_units = complete_units(run_dir, "resnet18")
   if cnn_units:

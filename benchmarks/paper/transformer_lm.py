@@ -140,6 +140,7 @@ def parse_args(argv):
   p.add_argument("--friction", type=float, help="c-CoLA-ud gamma (default: ptb 0.5, wikitext2 and kjv 1)")
   p.add_argument("--bptt", type=int, default=35, help="window length")
   p.add_argument("--clip", type=float, default=0.25, help="global gradient-norm clip (0: none)")
+  p.add_argument("--first-seed", type=int, default=0, help="run seeds first-seed .. first-seed + seeds - 1")
   p.add_argument("--replot", metavar="JSON", help="only redraw the PNG (next to JSON) from a transformer_lm.json")
   cli.merge_flag(p, "join runs that differ only in --methods into --out")
   args = p.parse_args(argv)
@@ -151,6 +152,9 @@ def parse_args(argv):
   args.methods = cli.method_list(p, args.methods, GRID_METHODS if args.grid else (), parse_method)
   if min(args.seeds, args.epochs, args.bptt, args.batch_size or 1) < 1:
     p.error("--seeds, --epochs, --bptt and --batch-size must be positive")
+  if args.first_seed < 0:
+    p.error("--first-seed must be non-negative")
+  args.seed_list = list(range(args.first_seed, args.first_seed + args.seeds))
   if args.eval_every is None:
     args.eval_every = min(1.0, args.epochs / 8)
   elif not args.eval_every > 0:
@@ -184,9 +188,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   train_windows = text.windows(corpus.train, args.batch_size, args.bptt)
   data = (train_windows, *(text.windows(ids, EVAL_BATCH, args.bptt) for ids in (corpus.valid, corpus.test)))
   model = transformer.TransformerLM(len(corpus.vocab), **args.model)
-  new_run = functools.partial(
-    lm.LMRun, model=model, data=data, seeds=range(args.seeds), probes=perplexity.max_abs(PATHS)
-  )
+  new_run = functools.partial(lm.LMRun, model=model, data=data, seeds=args.seed_list, probes=perplexity.max_abs(PATHS))
   runs = {m: new_run(tx=make_optimizer(m, args.friction, args.clip)) for m in args.methods}
   for run in runs.values():
     run.compile(SMOKE_COMPILER_OPTIONS if args.smoke else None)
@@ -223,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
       "config": {**config, "epochs_completed": round(min(r.steps[-1] for r in runs.values()) / steps_per_epoch, 4)},
       "data": corpus.info,
       "methods": {m: describe(m, args.friction) for m in args.methods},
-      "seeds": list(range(args.seeds)),
+      "seeds": args.seed_list,
       "results": results,
       "summary": {m: perplexity.summary(r) for m, r in results.items() if r},
       "published": {
