@@ -36,6 +36,15 @@ def test_paired_verdicts_follow_the_t_interval_of_the_seed_differences(report):
   assert report.paired([3.5], [3.6], "lower")["verdict"].startswith("one seed")
 
 
+def test_a_stopped_run_is_compared_over_the_epochs_both_methods_reached(report):
+  entry = {"history": {"epoch": [0, 1, 2, 3], "valid_loss": [[9, 9], [4, 5], [3, 4], [2, None]]}}
+  assert report.per_seed(entry, "min_valid_loss", 2) == [3, 4]
+  assert report.per_seed(entry, "min_valid_loss", 3)[0] == 2
+  accuracy = {"history": {"epoch": [1, 2], "test_accuracy": [[0.5, 0.6], [0.7, 0.8]]}}
+  assert report.per_seed(accuracy, "test_accuracy", 1) == [0.5, 0.6]
+  assert report.per_seed(accuracy, "test_accuracy", 2) == [0.7, 0.8]
+
+
 def part(seeds, values, epochs=(1, 2), config_extra=None):
   n = len(seeds)
   return {
@@ -156,6 +165,9 @@ def test_the_smoke_run_merges_into_a_comparison_and_a_second_run_has_nothing_lef
   claims = gc.main(["--merge", str(run_dir), "--results", str(results)])
   assert set(claims) == {"transformer_lm", "resnet18_vs_sgdm", "resnet18_vs_sgdm_wd"}
   assert all(c["seeds"] == [0, 1] and c["n_seeds"] == 2 for c in claims.values())
+  lm = json.loads((results / "paper" / "transformer_lm.json").read_text())
+  for m, values in claims["transformer_lm"]["values"].items():  # from the curves: the runs' own minima
+    np.testing.assert_allclose(values, lm["results"][m]["min_valid_loss"], rtol=1e-7)
   cnn = json.loads((results / "paper" / "orthogonal_cnn_resnet18.json").read_text())
   assert cnn["seeds"] == [0, 1] and len(cnn["joined_from"]) == 2
   assert (results / "paper" / "claims.png").exists() and (results / "cost" / "retractions.json").exists()

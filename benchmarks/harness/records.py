@@ -34,6 +34,7 @@ def machine_info() -> dict:
     "cola_jax": cola_jax.__version__,
     "backend": jax.default_backend(),
     "devices": [str(d) for d in jax.devices()],
+    "device_kind": jax.devices()[0].device_kind,
     "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"),
     "XLA_FLAGS": os.environ.get("XLA_FLAGS"),
   }

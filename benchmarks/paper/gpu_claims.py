@@ -8,7 +8,7 @@ child process of its own script writing into ``OUT/<part>/<unit>/`` as it goes:
    together (``vmap`` over seeds), one process per method, both at once;
 2. ``resnet18``: ResNet-18 on the 60,000 Fashion-MNIST training images, 12 epochs
    (:mod:`benchmarks.paper.orthogonal_cnn`), o-CoLA-ud, SGD-m and SGD-m + weight decay, one process
-   per seed;
+   per seed, ``--resnet-processes`` of them at once;
 3. ``scale``: the 12-block cost table (:mod:`benchmarks.cost.scale`), one process per constraint
    family not yet measured;
 4. ``retractions``: the Newton-Schulz (matrix-sign) polar against the eigendecomposition polar and QR
@@ -22,7 +22,7 @@ running at the deadline is stopped (its script has written what it had after eac
 then joins the complete units with the committed results and writes the claims' paired comparison
 (:mod:`benchmarks.paper.gpu_claims_report`). Usage::
 
-    python -m benchmarks.paper.gpu_claims --data-dir data --deadline 540 --out OUT   # on the GPU
+    python -m benchmarks.paper.gpu_claims --data-dir data --deadline 530 --out OUT   # on the GPU
     python -m benchmarks.paper.gpu_claims --merge OUT                                # here, then commit
     python -m benchmarks.paper.gpu_claims --smoke --deadline 300                     # a CPU rehearsal
 
@@ -128,13 +128,19 @@ def plan(args) -> list[Unit]:
     protocol = {"epochs": 2, "n_train": 256} if args.smoke else RESNET
     size = ["--synthetic", "--n-test", "256", "--batch-size", "64", "--width", "4"] if args.smoke else []
     fashion = os.path.join(args.data_dir, "fashion-mnist")
-    for seed in sorted(set(range(args.seeds)) - done_resnet_seeds(args.results, protocol)):
+    missing = sorted(set(range(args.seeds)) - done_resnet_seeds(args.results, protocol))
+    for i, seed in enumerate(missing):
       cnn_args = ["--model", "resnet18", "--dataset", "fashion_mnist", "--data-dir", fashion, "--quiet"]
       cnn_args += [*size, *(f"--{k.replace('_', '-')}={v}" for k, v in protocol.items())]
       cnn_args += ["--seeds", "1", "--first-seed", str(seed)]
       units.append(
         Unit(
-          "resnet18", f"seed{seed}", "benchmarks.paper.orthogonal_cnn", cnn_args, f"seed{seed}", estimate("resnet18")
+          "resnet18",
+          f"seed{seed}",
+          "benchmarks.paper.orthogonal_cnn",
+          cnn_args,
+          f"resnet18_{i // args.resnet_processes}",
+          estimate("resnet18"),
         )
       )
   if "scale" in args.parts:
@@ -272,7 +278,7 @@ def parse_args(argv):
   p = argparse.ArgumentParser(
     description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
   )
-  p.add_argument("--deadline", type=float, default=540.0, help="seconds from the start; units still running then stop")
+  p.add_argument("--deadline", type=float, default=530.0, help="seconds from the start; units still running then stop")
   p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}, in priority order")
   p.add_argument("--seeds", type=int, default=SEEDS, help="seeds per method, 0..seeds-1")
   p.add_argument(
@@ -280,6 +286,13 @@ def parse_args(argv):
     help="the transformer's seeds as groups of consecutive seeds, one process per method and group, all at once "
     "(e.g. 0-3,4); a group is run unless the committed results hold it (default: the seeds they lack, "
     "each run of consecutive seeds a group)",
+  )
+  p.add_argument(
+    "--resnet-processes",
+    type=int,
+    default=5,
+    help="ResNet-18 seeds run at once, one process each (o-CoLA-ud's step waits on the host for its projection's "
+    "loop: processes side by side fill the GPU's idle time)",
   )
   p.add_argument("--data-dir", default="data", help="folder holding kjv.txt and fashion-mnist/")
   p.add_argument("--results", default="results/gpu", help="committed GPU results: what is there is not run again")
@@ -291,8 +304,8 @@ def parse_args(argv):
   unknown = sorted(set(args.parts) - set(PARTS))
   if unknown:
     p.error(f"--parts: unknown {unknown}; choose from {', '.join(PARTS)}")
-  if args.seeds < 1 or not args.deadline > 0:
-    p.error("--seeds and --deadline must be positive")
+  if min(args.seeds, args.resnet_processes) < 1 or not args.deadline > 0:
+    p.error("--seeds, --resnet-processes and --deadline must be positive")
   args.seed_groups = seed_groups(p, args.seed_groups)
   return args
 

@@ -23,6 +23,15 @@ from benchmarks.harness import records
 # (name, results file, number per seed, better, claimed-better method, other method, what the paper says)
 CLAIMS = (
   (
+    "transformer_lm_5_seeds_stopped",
+    "paper/transformer_lm_stopped.json",
+    "min_valid_loss",
+    "lower",
+    "ccola_ud",
+    "sgdm_h0.1_m0.8",
+    "the same, from the 5-seed run stopped at the deadline, over the epochs both methods reached",
+  ),
+  (
     "transformer_lm",
     "paper/transformer_lm.json",
     "min_valid_loss",
@@ -52,6 +61,18 @@ CLAIMS = (
 )
 
 
+CURVES = {"min_valid_loss": ("valid_loss", np.min), "test_accuracy": ("test_accuracy", lambda rows, axis: rows[-1])}
+
+
+def per_seed(entry: dict, number: str, upto: float) -> list:
+  """Each seed's ``number`` over the evaluations up to epoch ``upto``: the lowest validation loss, or
+  the test accuracy at the last of them (for a complete run, the entry's own ``number``)."""
+  curve, reduce = CURVES[number]
+  epochs = np.asarray(entry["history"]["epoch"], float)
+  rows = records.nan_array(entry["history"][curve])[epochs <= upto]
+  return reduce(rows, axis=0).tolist()
+
+
 def paired(claimed: list, other: list, better: str) -> dict:
   """The seed-by-seed comparison of two methods' numbers (one per seed, the same seeds)."""
   a, b = np.asarray(claimed, float), np.asarray(other, float)
@@ -71,7 +92,7 @@ def paired(claimed: list, other: list, better: str) -> dict:
     return {**out, "verdict": "one seed: cannot be told from the seed spread"}
   sd = float(d.std(ddof=1))
   half = float(stats.t.ppf(0.975, n - 1)) * sd / np.sqrt(n)
-  low, high = out["difference_mean"] - half, out["difference_mean"] + half
+  low, high = float(out["difference_mean"] - half), float(out["difference_mean"] + half)
   verdict = "holds beyond the seed spread" if low > 0 else "reversed" if high < 0 else "within the seed spread"
   return {**out, "difference_std": sd, "difference_ci95": [low, high], "verdict": verdict}
 
@@ -85,7 +106,8 @@ def compare(results_dir: str) -> dict:
     )
     if not report or not {claimed, other} <= set(report["results"]):
       continue
-    res = report["results"]
+    res, upto = report["results"], report["config"]["epochs_completed"]
+    values = {m: per_seed(res[m], key, upto) for m in (claimed, other)}
     out[name] = {
       "paper": says,
       "file": path,
@@ -94,8 +116,9 @@ def compare(results_dir: str) -> dict:
       "methods": [claimed, other],
       "seeds": report["seeds"],
       "status": report["status"],
-      "values": {m: res[m][key] for m in (claimed, other)},
-      **paired(res[claimed][key], res[other][key], better),
+      "epochs": upto,
+      "values": values,
+      **paired(values[claimed], values[other], better),
     }
   return out
 
@@ -124,10 +147,20 @@ def plot(claims: dict, png_path: str) -> None:
   plt.close(fig)
 
 
-def complete_units(run_dir: str, part: str) -> list[dict]:
-  """The plan's units of ``part`` that completed."""
+def new_parts(run_dir: str, part: str, name: str, committed: str) -> tuple[list[dict], list[str]]:
+  """The plan's complete units of ``part`` and their results files ``name``, less the seeds of each
+  method that ``committed`` already holds (so that merging a run twice changes nothing)."""
   plan = records.load_json(os.path.join(run_dir, "gpu_claims.json"))
-  return [u for u in plan["units"] if u["part"] == part and u["status"] == "complete"]
+  old = records.load_json(committed) if os.path.exists(committed) else {"seeds": [], "results": {}}
+  units, paths = [], []
+  for u in plan["units"]:
+    if u["part"] != part or u["status"] != "complete":
+      continue
+    report = records.load_json(unit_file(run_dir, u, name))
+    if not (set(report["results"]) <= set(old["results"]) and set(report["seeds"]) <= set(old["seeds"])):
+      units.append(u)
+      paths.append(unit_file(run_dir, u, name))
+  return units, paths
 
 
 def unit_file(run_dir: str, unit: dict, name: str) -> str:
@@ -141,6 +174,16 @@ def append_logs(run_dir: str, units: list[dict], log_path: str) -> None:
         log.write(f.read())
 
 
+def join_with_committed(join, committed: str, parts: list[str]) -> None:
+  """``join(paths)`` of the committed results and ``parts``; the committed results alone replaced when
+  they ran another protocol or older code (they stay in git history)."""
+  try:
+    join([committed, *parts] if os.path.exists(committed) else parts)
+  except ValueError as error:
+    print(f"the committed {committed} is replaced, not joined: {error}")
+    join(parts)
+
+
 def merge(run_dir: str, results_dir: str) -> dict:
   """Joins ``run_dir``'s complete units into ``results_dir`` and writes ``paper/claims.{json,png}``."""
   from benchmarks.cost import scale
@@ -149,40 +192,35 @@ def merge(run_dir: str, results_dir: str) -> dict:
   paper, cost = os.path.join(results_dir, "paper"), os.path.join(results_dir, "cost")
   os.makedirs(paper, exist_ok=True)
   os.makedirs(cost, exist_ok=True)
-  lm_units = complete_units(run_dir, "transformer")
-  if lm_units:
-    parts = [unit_file(run_dir, u, "transformer_lm.json") for u in lm_units]
-    committed = os.path.join(paper, "transformer_lm.json")
-    try:
-      transformer_lm.main(["--merge", *([committed] if os.path.exists(committed) else []), *parts, "--out", paper])
-    except ValueError as error:  # the committed seeds ran another protocol: replaced
-      print(f"the committed {committed} is replaced, not joined: {error}")
-      transformer_lm.main(["--merge", *parts, "--out", paper])
-    append_logs(run_dir, lm_units, os.path.join(paper, "transformer_lm.log"))
-  cnn_units = complete_units(run_dir, "resnet18")
-  if cnn_units:
-    committed = os.path.join(paper, "orthogonal_cnn_resnet18.json")
-    parts = [unit_file(run_dir, u, "orthogonal_cnn.json") for u in cnn_units]
+  committed = os.path.join(paper, "transformer_lm.json")
+  units, parts = new_parts(run_dir, "transformer", "transformer_lm.json", committed)
+  if units:
+    join_with_committed(lambda paths: transformer_lm.main(["--merge", *paths, "--out", paper]), committed, parts)
+    append_logs(run_dir, units, os.path.join(paper, "transformer_lm.log"))
+  committed = os.path.join(paper, "orthogonal_cnn_resnet18.json")
+  units, parts = new_parts(run_dir, "resnet18", "orthogonal_cnn.json", committed)
+  if units:
     joined = os.path.join(run_dir, "resnet18", "joined")
-    try:
-      orthogonal_cnn.merge([committed, *parts] if os.path.exists(committed) else parts, joined)
-    except ValueError as error:  # the committed seeds ran another protocol or older code: replaced
-      print(f"the committed {committed} is replaced, not joined: {error}")
-      orthogonal_cnn.merge(parts, joined)
+    join_with_committed(lambda paths: orthogonal_cnn.merge(paths, joined), committed, parts)
     for ext in ("json", "png"):
       shutil.copy(os.path.join(joined, f"orthogonal_cnn.{ext}"), os.path.join(paper, f"orthogonal_cnn_resnet18.{ext}"))
-    append_logs(run_dir, cnn_units, os.path.join(paper, "orthogonal_cnn_resnet18.log"))
-  scale_units = complete_units(run_dir, "scale")
-  if scale_units:
+    append_logs(run_dir, units, os.path.join(paper, "orthogonal_cnn_resnet18.log"))
+  plan = records.load_json(os.path.join(run_dir, "gpu_claims.json"))
+  done = [u for u in plan["units"] if u["status"] == "complete"]
+  scale_parts = [unit_file(run_dir, u, "scale.json") for u in done if u["part"] == "scale"]
+  if scale_parts:
     committed = os.path.join(cost, "scale.json")
-    parts = ([committed] if os.path.exists(committed) else []) + [
-      unit_file(run_dir, u, "scale.json") for u in scale_units
-    ]
-    scale.main(["--merge", *parts, "--out", cost])
-  for u in complete_units(run_dir, "retractions"):
+    scale.main(["--merge", *([committed] if os.path.exists(committed) else []), *scale_parts, "--out", cost])
+  for u in (u for u in done if u["part"] == "retractions"):
     for path in glob.glob(unit_file(run_dir, u, "*.json")):
       shutil.copy(path, cost)
   shutil.copy(os.path.join(run_dir, "gpu_claims.json"), os.path.join(results_dir, "gpu_claims.json"))
+  return write_claims(results_dir)
+
+
+def write_claims(results_dir: str) -> dict:
+  """``paper/claims.{json,png}`` from the results in ``results_dir``; prints each claim's verdict."""
+  paper = os.path.join(results_dir, "paper")
   claims = compare(results_dir)
   records.write_json(os.path.join(paper, "claims.json"), {"claims": claims, "method": __doc__.split("\n\n")[1]})
   if claims:
