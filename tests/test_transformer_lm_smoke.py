@@ -124,9 +124,10 @@ def test_constraints_declared_by_layer_kind(lm):
 
 
 def test_ccola_weights_within_their_radii(lm, smoke_run):
-  # Every constrained leaf of c-CoLA-ud satisfies |w| <= r, for every seed; the LayerNorm gains
-  # start at the pole w = r_N = 1 of their circle, where the projected gradient is zero, so at
-  # tau = 0 they stay exactly 1. SGD-m moves them.
+  # Every constrained leaf of c-CoLA-ud satisfies |w| <= r, for every seed. The LayerNorm gains
+  # start at the pole w = r_N = 1 of their circle, where the projected gradient is zero; the first
+  # step puts them at 0.99 (a weight starting at its bound starts 1 % inside), from where they move
+  # inside the circle and do not come back to the pole. SGD-m moves them too.
   _, data = smoke_run
   for kind, values in data["results"]["ccola_ud"]["max_abs_weight"].items():
     assert all(v <= lm.RADII[kind] * (1 + 1e-6) for v in values), kind
@@ -138,8 +139,9 @@ def test_ccola_weights_within_their_radii(lm, smoke_run):
   for (path, leaf), circle in zip(leaves, circles, strict=True):
     if circle is not None:
       assert float(jnp.max(jnp.abs(leaf))) <= circle.radius * (1 + 1e-6), jax.tree_util.keystr(path)
-  np.testing.assert_array_equal(np.asarray(params["layers"]["norm1"]["scale"]), 1.0)
-  np.testing.assert_array_equal(np.asarray(params["layers"]["norm2"]["scale"]), 1.0)
+  for norm in ("norm1", "norm2"):
+    gains = np.asarray(params["layers"][norm]["scale"])
+    assert np.all(np.abs(gains) < 1.0) and np.std(gains) > 0, norm
   assert float(jnp.max(jnp.abs(lm.LAST_RUN_PARAMS["sgdm_h0.1_m0.8"]["layers"]["norm1"]["scale"] - 1))) > 1e-4
 
 

@@ -14,8 +14,10 @@ Where the paper is silent, PyTorch's ``word_language_model`` example: the model
 validation and test in columns of 10) and ``clip_grad_norm_(0.25)`` before either
 optimizer. The radii are declared on parameter paths (``PATHS``): ``r_A`` the
 attention kernels, ``r_L`` the feed-forward kernels, ``r_N`` the LayerNorm gains
-(which start at the pole ``1 = r_N`` of their circle, so at ``tau = 0`` they stay
-1), ``r`` the embedding and decoder; biases free. ``ccola_ud`` is SGD-m with lr
+(which start at the pole ``1 = r_N`` of their circle, where the projected gradient
+is zero: c-CoLA-ud's first step puts them 1 % inside, at 0.99, from where the gradient
+moves them, as for any weight that starts at its bound, see :class:`cola_jax.Circle`;
+the runs before 2026-11-27 kept them at 1), ``r`` the embedding and decoder; biases free. ``ccola_ud`` is SGD-m with lr
 0.16, momentum ``exp(-0.4 gamma)``; ``sgdm_h0.1_m0.8`` is the paper's best on
 PTB; ``--grid`` adds the table's other five. Corpora: ``kjv`` (offline default,
 the King James Bible; batch 128 and ``gamma = 1`` as Wikitext-2), ``ptb``,
