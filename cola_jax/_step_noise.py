@@ -35,6 +35,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from cola_jax._numerics import computed_after, computed_together, explicit_sharding, on_one_cpu_device
 from cola_jax._tree import hashable
@@ -47,13 +48,20 @@ _ONE_PASS_BYTES = 1 << 22
 Draw = Callable[[Any, jax.Array, Any], Any]  # (constraint, key, point) -> the leaf's numbers
 
 
-def draw_leaves(draw: Draw, constraints: Sequence, points: Sequence, keys: Sequence, grads: Sequence) -> list:
+def draw_leaves(
+  draw: Draw, constraints: Sequence, points: Sequence, keys: Sequence | jax.Array, grads: Sequence
+) -> list:
   """Each leaf's numbers, ``draw(constraint, key, point)``, or None where its key is None.
 
   ``points`` give the shapes, dtypes and shardings of the leaves' points
   (``jax.ShapeDtypeStruct`` trees will do); ``grads`` are the leaves'
-  gradients, which the draws wait for on XLA's CPU backend.
+  gradients, which the draws wait for on XLA's CPU backend. ``keys`` stacked
+  in one array (``jax.random.split``'s) give each group its keys in one
+  gather: stacked from the leaves' slices, each slice would be a loop of its
+  own (108 on the 12-block transformer).
   """
+  stacked_keys = keys if isinstance(keys, jax.Array) else None
+  keys = list(keys)
   noises: list[Any] = [None] * len(keys)
   groups: dict[Any, list[int]] = {}
   grouping = on_one_cpu_device()
@@ -76,8 +84,9 @@ def draw_leaves(draw: Draw, constraints: Sequence, points: Sequence, keys: Seque
     small = [len(members) * x.size * jnp.dtype(x.dtype).itemsize <= _ONE_PASS_BYTES for x in shapes]
     arrays: list[list] = [[None] * len(shapes) for _ in members]
     if any(small):
-      stacked = jax.tree.leaves(jax.vmap(one)(jnp.stack([keys[i] for i in members])))
-      written = [computed_together(x)[0] for x, s in zip(stacked, small) if s]  # each written to memory once
+      group_keys = jnp.stack([keys[i] for i in members]) if stacked_keys is None else stacked_keys[np.asarray(members)]
+      stacked = jax.tree.leaves(jax.vmap(one)(group_keys))
+      written = [_rows(computed_together(x)[0]) for x, s in zip(stacked, small) if s]  # each written to memory once
       for position in range(len(members)):
         drawn = iter(written)
         arrays[position] = [next(drawn)[position] if s else None for s in small]
@@ -89,6 +98,26 @@ def draw_leaves(draw: Draw, constraints: Sequence, points: Sequence, keys: Seque
     for position, i in enumerate(members):
       noises[i] = jax.tree.unflatten(treedef, arrays[position])
   return noises
+
+
+def _rows(stacked: jax.Array) -> tuple[jax.Array, ...]:
+  """The rows of a group's written draw, each read at an index that is a buffer of its own.
+
+  A loop that slices its member's row out of the group's draw at a constant
+  offset differs from the other members' loops by that offset: each member's
+  update is then loops of its own to compile (the 12-block transformer's 48
+  ``MaxNorm`` kernels read their slacks' noise so: the CoLA-od step compiled
+  in 16.1 CPU s, 10.9 with the index an operand,
+  ``results/cost/update_memory_rows_{before,after}.json``).
+  With the index an operand (computed after the draw, all in one loop of
+  :func:`~cola_jax._numerics.computed_together`, so that XLA cannot fold it
+  into a constant), the members' loops are one computation with different
+  operands, which XLA's CPU backend emits once; and no row is copied.
+  """
+  if stacked.shape[0] == 1:
+    return (stacked[0],)
+  indices = computed_together(*(computed_after(stacked, np.int32(p)) for p in range(stacked.shape[0])))
+  return tuple(jax.lax.dynamic_index_in_dim(stacked, i, keepdims=False) for i in indices)
 
 
 def _own_buffers(keys: list) -> list:

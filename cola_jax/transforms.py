@@ -127,17 +127,17 @@ def _temperature_at(temperature, count):
 
 
 def _step_keys(key, noisy: bool, n_leaves: int):
-  """(next key, one key per leaf) or (key, Nones) when no noise is drawn."""
+  """(next key, the leaves' keys in one array) or (key, None) when no noise is drawn."""
   if not noisy:
-    return key, [None] * n_leaves
+    return key, None
   key, step_key = jax.random.split(key)
-  return key, list(jax.random.split(step_key, n_leaves))
+  return key, jax.random.split(step_key, n_leaves)  # one array: a group's keys are one gather, not a slice per leaf
 
 
-def _noise(dynamics: str, layout: LeafLayout, auxes: list, keys: list, grads: list) -> list:
+def _noise(dynamics: str, layout: LeafLayout, auxes: list, keys: jax.Array | None, grads: list) -> list:
   """Each leaf's numbers for this step (:func:`cola_jax.langevin.draw_noise`), None where it draws none."""
-  if all(k is None for k in keys):
-    return keys
+  if keys is None:
+    return [None] * len(layout.params)
   points = [jax.eval_shape(c.point, p, a) for c, p, a in zip(layout.constraints, layout.compute, auxes)]
   draw = lambda c, key, point: langevin.draw_noise(c, key, point, dynamics)
   return _step_noise.draw_leaves(draw, layout.constraints, points, keys, grads)
