@@ -94,7 +94,10 @@ def write(path, data):
 
 def test_the_plan_leaves_out_what_is_committed(gc, tmp_path):
   args = gc.parse_args(["--results", str(tmp_path), "--out", str(tmp_path / "run")])
-  assert [u.part for u in gc.plan(args)] == ["transformer"] * 2 + ["resnet18"] * 5 + ["scale"] * 7 + ["retractions"]
+  assert [u.part for u in gc.plan(args)] == ["transformer"] * 2 + ["resnet18"] * 5 + ["scale"] * 7 + [
+    "retractions",
+    "stiefel_projection",
+  ]
   lm = {
     "status": "complete",
     "config": {"epochs": 200},

@@ -12,7 +12,10 @@ child process of its own script writing into ``OUT/<part>/<unit>/`` as it goes:
 3. ``scale``: the 12-block cost table (:mod:`benchmarks.cost.scale`), one process per constraint
    family not yet measured;
 4. ``retractions``: the Newton-Schulz (matrix-sign) polar against the eigendecomposition polar and QR
-   (:mod:`benchmarks.cost.retractions`).
+   (:mod:`benchmarks.cost.retractions`);
+5. ``stiefel_projection``: the Stiefel projection's solvers and same-shape leaves stacked under ``vmap``
+   (:mod:`benchmarks.cost.stiefel_projection`): whether stacking pays on the GPU, as the library assumes
+   off CPU.
 
 Seed ``s`` fixes the initialisation and the data order (and dropout) for every method, so the
 methods are compared seed by seed. Units already in the committed results (``--results``) are not
@@ -46,7 +49,8 @@ from collections.abc import Sequence
 from benchmarks.harness import records, report
 from benchmarks.paper import gpu_claims_report, orthogonal_cnn
 
-PARTS = ("transformer", "resnet18", "scale", "retractions")
+ONE_RUN_PARTS = gpu_claims_report.ONE_RUN_PARTS
+PARTS = ("transformer", "resnet18", "scale", *ONE_RUN_PARTS)
 SEEDS = 5
 LM_EPOCHS, LM_METHODS = 200, ("ccola_ud", "sgdm_h0.1_m0.8")
 RESNET = {"epochs": 12, "n_train": 60_000}
@@ -54,7 +58,7 @@ SCALE_FAMILIES = ("circle", "box", "sphere", "unit_norm", "orthogonal", "implici
 SCALE_TIMING = ("--repetitions", "50", "--budget", "5")
 # Seconds a unit is expected to take on an H100 (committed runs: ResNet-18 406 s for a seed of three
 # methods; the scale table 255 s for three methods): a unit starts only when this much time is left.
-ESTIMATES = {"transformer": 0.0, "resnet18": 420.0, "scale": 420.0, "retractions": 150.0}
+ESTIMATES = {"transformer": 0.0, "resnet18": 420.0, "scale": 420.0, "retractions": 150.0, "stiefel_projection": 150.0}
 SMOKE_ESTIMATE = 0.0
 STOP_GRACE_S = 10.0
 
@@ -149,17 +153,10 @@ def plan(args) -> list[Unit]:
       units.append(
         Unit("scale", family, "benchmarks.cost.scale", [*timing, "--families", family], family, estimate("scale"))
       )
-  if "retractions" in args.parts and not committed(os.path.join(args.results, "cost", "retractions.json")):
-    units.append(
-      Unit(
-        "retractions",
-        "all",
-        "benchmarks.cost.retractions",
-        ["--smoke"] if args.smoke else [],
-        "retractions",
-        estimate("retractions"),
-      )
-    )
+  for part in ONE_RUN_PARTS:
+    if part in args.parts and not committed(os.path.join(args.results, "cost", f"{part}.json")):
+      smoke = ["--smoke"] if args.smoke else []
+      units.append(Unit(part, "all", f"benchmarks.cost.{part}", smoke, part, estimate(part)))
   return units
 
 

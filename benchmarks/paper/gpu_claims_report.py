@@ -20,6 +20,7 @@ from scipy import stats
 
 from benchmarks.harness import records
 
+ONE_RUN_PARTS = ("retractions", "stiefel_projection")  # one run of a cost script each, its JSON kept as it is
 # (name, results file, number per seed, better, claimed-better method, other method, what the paper says)
 CLAIMS = (
   (
@@ -211,7 +212,7 @@ def merge(run_dir: str, results_dir: str) -> dict:
   if scale_parts:
     committed = os.path.join(cost, "scale.json")
     scale.main(["--merge", *([committed] if os.path.exists(committed) else []), *scale_parts, "--out", cost])
-  for u in (u for u in done if u["part"] == "retractions"):
+  for u in (u for u in done if u["part"] in ONE_RUN_PARTS):
     for path in glob.glob(unit_file(run_dir, u, "*.json")):
       shutil.copy(path, cost)
   shutil.copy(os.path.join(run_dir, "gpu_claims.json"), os.path.join(results_dir, "gpu_claims.json"))
