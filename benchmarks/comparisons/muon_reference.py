@@ -31,7 +31,7 @@ def load_rules(src_dir: str) -> types.SimpleNamespace:
   """The reference's update rules from ``src_dir`` (its ``src/``), loaded by file path.
 
   ``manifold_muon.py`` does ``from msign import msign``: ``msign`` is registered
-  in ``sys.modules`` first, so no ``sys.path`` entry is needed.
+  in ``sys.modules`` first, so the module search path stays as it is.
   """
 
   def load(name: str):
