@@ -119,7 +119,11 @@ def problems(draw, layouts):
   )
 
 
-@functools.cache
+# Bounded: each compiled step holds its XLA:CPU executable, whose JIT-compiled kernels take ~200-300 memory
+# mappings; the long profile draws a new layout per example, and an unbounded cache reaches Linux's
+# vm.max_map_count (65530) after ~300 compilations: LLVM then fails ("Cannot allocate memory") and the
+# worker segfaults or aborts. The quick profile compiles one layout per case, which a small cache keeps.
+@functools.lru_cache(maxsize=8)
 def _compiled_steps(method, constraint_name, layout, x64):
   """Two updates as one compiled function of (params, grads, h, tau, gamma, key)."""
   del layout, x64  # part of the cache key: jit compiles per shape and dtype anyway
@@ -139,6 +143,11 @@ def _compiled_steps(method, constraint_name, layout, x64):
     return params, updates, states, cola.constraint_residuals(params, state)
 
   return jax.jit(run)
+
+
+def test_compiled_steps_are_not_all_kept():
+  # The long profile compiles a new layout per example: kept, their executables' mappings crash the worker.
+  assert _compiled_steps.cache_info().maxsize is not None
 
 
 def _flagged(states, name) -> bool:
