@@ -112,7 +112,7 @@ def test_seeds_trained_together_equal_seeds_trained_alone(method):
     assert leaf.shape == (SEEDS,)
     assert float(jnp.max(leaf)) <= 1e-5, leaf
   if method == "c_cola_ud":
-    assert all(float(jnp.max(jnp.abs(params[k]["w"]))) <= 0.2 for k in params)
+    assert all(float(jnp.max(jnp.abs(params[k]["w"]))) <= 0.2 * (1 + 1e-6) for k in params)  # r in float32
   else:
     grams = jnp.einsum("nij,nik->njk", params["layer1"]["w"], params["layer1"]["w"])
     np.testing.assert_allclose(np.asarray(grams), np.broadcast_to(np.eye(16), grams.shape), atol=1e-5)
