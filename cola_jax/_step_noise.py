@@ -48,26 +48,20 @@ _ONE_PASS_BYTES = 1 << 22
 Draw = Callable[[Any, jax.Array, Any], Any]  # (constraint, key, point) -> the leaf's numbers
 
 
-def draw_leaves(
-  draw: Draw, constraints: Sequence, points: Sequence, keys: Sequence | jax.Array, grads: Sequence
-) -> list:
-  """Each leaf's numbers, ``draw(constraint, key, point)``, or None where its key is None.
+def draw_leaves(draw: Draw, constraints: Sequence, points: Sequence, keys: jax.Array, grads: Sequence) -> list:
+  """Each leaf's numbers, ``draw(constraint, key, point)``, leaf ``i`` from ``keys[i]``.
 
   ``points`` give the shapes, dtypes and shardings of the leaves' points
   (``jax.ShapeDtypeStruct`` trees will do); ``grads`` are the leaves'
-  gradients, which the draws wait for on XLA's CPU backend. ``keys`` stacked
-  in one array (``jax.random.split``'s) give each group its keys in one
-  gather: stacked from the leaves' slices, each slice would be a loop of its
-  own (108 on the 12-block transformer).
+  gradients, which the draws wait for on XLA's CPU backend. ``keys`` are one
+  array (``jax.random.split``'s), so that a group's keys are one gather:
+  stacked from the leaves' slices, each slice would be a loop of its own (108
+  on the 12-block transformer).
   """
-  stacked_keys = keys if isinstance(keys, jax.Array) else None
-  keys = list(keys)
-  noises: list[Any] = [None] * len(keys)
+  noises: list[Any] = [None] * len(points)
   groups: dict[Any, list[int]] = {}
   grouping = on_one_cpu_device()
-  for i, (c, point, key) in enumerate(zip(constraints, points, keys)):
-    if key is None:
-      continue
+  for i, (c, point) in enumerate(zip(constraints, points)):
     leaves = jax.tree.leaves(point)
     alone = not grouping or any(explicit_sharding(x) is not None for x in leaves)
     group = (None, i) if alone else (hashable(c), tuple((x.shape, jnp.dtype(x.dtype)) for x in leaves))
@@ -84,8 +78,7 @@ def draw_leaves(
     small = [len(members) * x.size * jnp.dtype(x.dtype).itemsize <= _ONE_PASS_BYTES for x in shapes]
     arrays: list[list] = [[None] * len(shapes) for _ in members]
     if any(small):
-      group_keys = jnp.stack([keys[i] for i in members]) if stacked_keys is None else stacked_keys[np.asarray(members)]
-      stacked = jax.tree.leaves(jax.vmap(one)(group_keys))
+      stacked = jax.tree.leaves(jax.vmap(one)(keys[np.asarray(members)]))
       written = [_rows(computed_together(x)[0]) for x, s in zip(stacked, small) if s]  # each written to memory once
       for position in range(len(members)):
         drawn = iter(written)
