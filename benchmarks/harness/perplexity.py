@@ -6,7 +6,6 @@ later ones, per seed, and the test loss is read at each seed's minimum.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -161,10 +160,7 @@ def merge_methods(reports: Sequence[dict]) -> dict:
 def load(paths: Sequence[str], merged_dir: str | None, name: str) -> tuple[dict, str]:
   """A results JSON to redraw: ``paths[0]`` (returned with its folder), or the runs of ``paths`` merged
   and written as ``merged_dir/name``."""
-  reports = []
-  for path in paths:
-    with open(path) as f:
-      reports.append(json.load(f))
+  reports = [records.load_json(path) for path in paths]
   if merged_dir is None:
     return reports[0], os.path.dirname(os.path.abspath(paths[0]))
   out = merge(reports)

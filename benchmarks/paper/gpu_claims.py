@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import os
 import signal
 import subprocess
@@ -49,7 +48,7 @@ from collections.abc import Sequence
 from benchmarks.harness import records, report
 from benchmarks.paper import gpu_claims_report, orthogonal_cnn
 
-ONE_RUN_PARTS = gpu_claims_report.ONE_RUN_PARTS
+ONE_RUN_PARTS, committed = gpu_claims_report.ONE_RUN_PARTS, gpu_claims_report.committed
 PARTS = ("transformer", "resnet18", "scale", *ONE_RUN_PARTS)
 SEEDS = 5
 LM_EPOCHS, LM_METHODS = 200, ("ccola_ud", "sgdm_h0.1_m0.8")
@@ -76,14 +75,6 @@ class Unit:
   status: str = "pending"
   wall_s: float | None = None
   returncode: int | None = None
-
-
-def committed(path: str) -> dict | None:
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except FileNotFoundError:
-    return None
 
 
 def done_lm_seeds(results_dir: str, epochs: int) -> dict:
@@ -234,13 +225,12 @@ def run(args, argv: list) -> list[Unit]:
     if left < max(u.estimate_s for u in members) or left <= 0:
       for u in members:
         u.status = f"not started: {left:.0f} s left, estimated {u.estimate_s:.0f} s"
-      continue
-    print(f"{time.monotonic() - start:6.0f} s  starting {group}: {', '.join(u.name for u in members)}", flush=True)
-    run_group(members, args.out, deadline, env)
-    for u in members:
-      print(f"{time.monotonic() - start:6.0f} s  {u.part} {u.name}: {u.status} ({u.wall_s} s)", flush=True)
+    else:
+      print(f"{time.monotonic() - start:6.0f} s  starting {group}: {', '.join(u.name for u in members)}", flush=True)
+      run_group(members, args.out, deadline, env)
+      for u in members:
+        print(f"{time.monotonic() - start:6.0f} s  {u.part} {u.name}: {u.status} ({u.wall_s} s)", flush=True)
     write_plan(args.out, units, argv, started, args)
-  write_plan(args.out, units, argv, started, args)
   return units
 
 

@@ -98,13 +98,16 @@ def paired(claimed: list, other: list, better: str) -> dict:
   return {**out, "difference_std": sd, "difference_ci95": [low, high], "verdict": verdict}
 
 
+def committed(path: str) -> dict | None:
+  """The results JSON at ``path``, or None where there is none."""
+  return records.load_json(path) if os.path.exists(path) else None
+
+
 def compare(results_dir: str) -> dict:
   """Every claim whose results file holds both methods."""
   out = {}
   for name, path, key, better, claimed, other, says in CLAIMS:
-    report = (
-      records.load_json(os.path.join(results_dir, path)) if os.path.exists(os.path.join(results_dir, path)) else None
-    )
+    report = committed(os.path.join(results_dir, path))
     if not report or not {claimed, other} <= set(report["results"]):
       continue
     res, upto = report["results"], report["config"]["epochs_completed"]
@@ -148,15 +151,12 @@ def plot(claims: dict, png_path: str) -> None:
   plt.close(fig)
 
 
-def new_parts(run_dir: str, part: str, name: str, committed: str) -> tuple[list[dict], list[str]]:
-  """The plan's complete units of ``part`` and their results files ``name``, less the seeds of each
-  method that ``committed`` already holds (so that merging a run twice changes nothing)."""
-  plan = records.load_json(os.path.join(run_dir, "gpu_claims.json"))
-  old = records.load_json(committed) if os.path.exists(committed) else {"seeds": [], "results": {}}
+def new_parts(run_dir: str, done: list[dict], part: str, name: str, committed_path: str) -> tuple[list, list]:
+  """The complete units ``done`` of ``part`` and their results files ``name``, less the seeds of each
+  method that ``committed_path`` already holds (so that merging a run twice changes nothing)."""
+  old = committed(committed_path) or {"seeds": [], "results": {}}
   units, paths = [], []
-  for u in plan["units"]:
-    if u["part"] != part or u["status"] != "complete":
-      continue
+  for u in (u for u in done if u["part"] == part):
     report = records.load_json(unit_file(run_dir, u, name))
     if not (set(report["results"]) <= set(old["results"]) and set(report["seeds"]) <= set(old["seeds"])):
       units.append(u)
@@ -188,30 +188,32 @@ def join_with_committed(join, committed: str, parts: list[str]) -> None:
 def merge(run_dir: str, results_dir: str) -> dict:
   """Joins ``run_dir``'s complete units into ``results_dir`` and writes ``paper/claims.{json,png}``."""
   from benchmarks.cost import scale
-  from benchmarks.paper import orthogonal_cnn, transformer_lm
+  from benchmarks.paper import gpu_claims, orthogonal_cnn, transformer_lm
 
   paper, cost = os.path.join(results_dir, "paper"), os.path.join(results_dir, "cost")
   os.makedirs(paper, exist_ok=True)
   os.makedirs(cost, exist_ok=True)
-  committed = os.path.join(paper, "transformer_lm.json")
-  units, parts = new_parts(run_dir, "transformer", "transformer_lm.json", committed)
+  done = [u for u in records.load_json(os.path.join(run_dir, "gpu_claims.json"))["units"] if u["status"] == "complete"]
+  lm_path = os.path.join(paper, "transformer_lm.json")
+  units, parts = new_parts(run_dir, done, "transformer", "transformer_lm.json", lm_path)
   if units:
-    join_with_committed(lambda paths: transformer_lm.main(["--merge", *paths, "--out", paper]), committed, parts)
+    join_with_committed(lambda paths: transformer_lm.main(["--merge", *paths, "--out", paper]), lm_path, parts)
     append_logs(run_dir, units, os.path.join(paper, "transformer_lm.log"))
-  committed = os.path.join(paper, "orthogonal_cnn_resnet18.json")
-  units, parts = new_parts(run_dir, "resnet18", "orthogonal_cnn.json", committed)
+  cnn_path = os.path.join(paper, "orthogonal_cnn_resnet18.json")
+  units, parts = new_parts(run_dir, done, "resnet18", "orthogonal_cnn.json", cnn_path)
   if units:
     joined = os.path.join(run_dir, "resnet18", "joined")
-    join_with_committed(lambda paths: orthogonal_cnn.merge(paths, joined), committed, parts)
+    join_with_committed(lambda paths: orthogonal_cnn.merge(paths, joined), cnn_path, parts)
     for ext in ("json", "png"):
       shutil.copy(os.path.join(joined, f"orthogonal_cnn.{ext}"), os.path.join(paper, f"orthogonal_cnn_resnet18.{ext}"))
     append_logs(run_dir, units, os.path.join(paper, "orthogonal_cnn_resnet18.log"))
-  plan = records.load_json(os.path.join(run_dir, "gpu_claims.json"))
-  done = [u for u in plan["units"] if u["status"] == "complete"]
-  scale_parts = [unit_file(run_dir, u, "scale.json") for u in done if u["part"] == "scale"]
+  measured = gpu_claims.done_scale_families(results_dir)
+  scale_parts = [
+    unit_file(run_dir, u, "scale.json") for u in done if u["part"] == "scale" and u["name"] not in measured
+  ]
   if scale_parts:
-    committed = os.path.join(cost, "scale.json")
-    scale.main(["--merge", *([committed] if os.path.exists(committed) else []), *scale_parts, "--out", cost])
+    scale_path = os.path.join(cost, "scale.json")
+    scale.main(["--merge", *([scale_path] if os.path.exists(scale_path) else []), *scale_parts, "--out", cost])
   for u in (u for u in done if u["part"] in ONE_RUN_PARTS):
     for path in glob.glob(unit_file(run_dir, u, "*.json")):
       shutil.copy(path, cost)
