@@ -45,6 +45,18 @@ def merge_flag(p: argparse.ArgumentParser, help_text: str) -> None:
   p.add_argument("--merge", nargs="+", metavar="JSON", help=help_text)
 
 
+def first_seed_flag(p: argparse.ArgumentParser) -> None:
+  """``--first-seed S``: the run's seeds are S .. S + seeds - 1, so that runs can split the seeds."""
+  p.add_argument("--first-seed", type=int, default=0, help="run seeds first-seed .. first-seed + seeds - 1")
+
+
+def seed_list(p: argparse.ArgumentParser, args) -> list[int]:
+  """The seeds ``--first-seed`` and ``--seeds`` name."""
+  if args.first_seed < 0:
+    p.error("--first-seed must be non-negative")
+  return list(range(args.first_seed, args.first_seed + args.seeds))
+
+
 def eval_every(p: argparse.ArgumentParser, epochs: int, requested) -> int:
   """``requested`` if it divides ``epochs``, else the largest divisor of ``epochs`` up to epochs/20."""
   if epochs < 1:

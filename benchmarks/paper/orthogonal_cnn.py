@@ -152,7 +152,7 @@ def parse_args(argv):
   p.add_argument("--batch-size", type=int, default=128, help="minibatch size (the paper's 128)")
   p.add_argument("--width", type=int, default=64, help="ResNet channels of the first stage")
   p.add_argument("--no-augment", action="store_true", help="no random crop and flip on CIFAR-10")
-  p.add_argument("--first-seed", type=int, default=0, help="run seeds first-seed .. first-seed + seeds - 1")
+  cli.first_seed_flag(p)
   cli.merge_flag(p, "join runs of one protocol that split the seeds into --out")
   args = p.parse_args(argv)
   if args.merge and not args.out:
@@ -164,9 +164,7 @@ def parse_args(argv):
       setattr(args, k, v)
   if min(args.seeds, args.n_test, args.width, args.batch_size) < 1 or args.n_train < args.batch_size:
     p.error("--seeds, --n-test, --width, --batch-size must be positive and --n-train >= --batch-size")
-  if args.first_seed < 0:
-    p.error("--first-seed must be non-negative")
-  args.seed_list = list(range(args.first_seed, args.first_seed + args.seeds))
+  args.seed_list = cli.seed_list(p, args)
   args.eval_every = cli.eval_every(p, args.epochs, args.eval_every)
   args.decay_epochs = tuple(schedules.thirds(args.epochs) if args.decay_epochs is None else args.decay_epochs)
   args.augment = args.dataset == "cifar10" and not args.no_augment

@@ -142,9 +142,9 @@ def parse_args(argv):
   p.add_argument("--friction", type=float, help="c-CoLA-ud gamma (default: ptb 0.5, wikitext2 and kjv 1)")
   p.add_argument("--bptt", type=int, default=35, help="window length")
   p.add_argument("--clip", type=float, default=0.25, help="global gradient-norm clip (0: none)")
-  p.add_argument("--first-seed", type=int, default=0, help="run seeds first-seed .. first-seed + seeds - 1")
+  cli.first_seed_flag(p)
   p.add_argument("--replot", metavar="JSON", help="only redraw the PNG (next to JSON) from a transformer_lm.json")
-  cli.merge_flag(p, "join runs that differ only in --methods into --out")
+  cli.merge_flag(p, "join runs that split the methods or the seeds (--first-seed) into --out")
   args = p.parse_args(argv)
   if args.merge and not args.out:
     p.error("--merge needs --out")
@@ -154,9 +154,7 @@ def parse_args(argv):
   args.methods = cli.method_list(p, args.methods, GRID_METHODS if args.grid else (), parse_method)
   if min(args.seeds, args.epochs, args.bptt, args.batch_size or 1) < 1:
     p.error("--seeds, --epochs, --bptt and --batch-size must be positive")
-  if args.first_seed < 0:
-    p.error("--first-seed must be non-negative")
-  args.seed_list = list(range(args.first_seed, args.first_seed + args.seeds))
+  args.seed_list = cli.seed_list(p, args)
   if args.eval_every is None:
     args.eval_every = min(1.0, args.epochs / 8)
   elif not args.eval_every > 0:
