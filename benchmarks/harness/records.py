@@ -164,16 +164,16 @@ def _join_values(values: list, counts: list[int], where: str):
   raise ValueError(f"join_seeds: {where}: cannot tell how to join {type(first).__name__} values")
 
 
-def join_seeds(parts: list[dict], ignore: tuple = ("seeds", "epochs_completed")) -> dict:
+def join_seeds(parts: list[dict]) -> dict:
   """One results JSON from runs of one protocol that each ran some of the seeds (each method's
   ``results`` holding one value per seed), in seed order. The runs must agree on the data, the
-  methods and the config but for ``ignore``; their commands, dates and machines are kept in
-  ``joined_from``."""
+  methods and the config but for the seeds and the epochs completed; their commands, dates and
+  machines are kept in ``joined_from``."""
   parts = sorted(parts, key=lambda r: r["seeds"][0])
   seeds = [s for r in parts for s in r["seeds"]]
   if len(set(seeds)) != len(seeds):
     raise ValueError(f"join_seeds: a seed is in more than one run: {seeds}")
-  config_of = lambda r: {k: v for k, v in r["config"].items() if k not in ignore}
+  config_of = lambda r: {k: v for k, v in r["config"].items() if k not in ("seeds", "epochs_completed")}
   for r in parts[1:]:
     differs = sorted(
       k for k in {**config_of(parts[0]), **config_of(r)} if config_of(parts[0]).get(k) != config_of(r).get(k)

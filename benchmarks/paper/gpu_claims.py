@@ -103,7 +103,7 @@ def done_scale_families(results_dir: str) -> set:
 def plan(args) -> list[Unit]:
   """The units still to run, in priority order."""
   units: list[Unit] = []
-  estimate = (lambda part: SMOKE_ESTIMATE) if args.smoke else ESTIMATES.get
+  estimate = (lambda part: SMOKE_ESTIMATE) if args.smoke else ESTIMATES.__getitem__
   if "transformer" in args.parts:
     size = ["--smoke"] if args.smoke else ["--epochs", str(LM_EPOCHS)]
     done = done_lm_seeds(args.results, 3 if args.smoke else LM_EPOCHS)
@@ -140,7 +140,8 @@ def plan(args) -> list[Unit]:
       )
   if "scale" in args.parts:
     timing = ["--smoke"] if args.smoke else ["--quiet", *SCALE_TIMING]
-    for family in (f for f in SCALE_FAMILIES if f not in done_scale_families(args.results)):
+    measured = done_scale_families(args.results)
+    for family in (f for f in SCALE_FAMILIES if f not in measured):
       units.append(
         Unit("scale", family, "benchmarks.cost.scale", [*timing, "--families", family], family, estimate("scale"))
       )

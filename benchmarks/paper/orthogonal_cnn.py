@@ -117,7 +117,7 @@ def draw(out: dict, png_path: str) -> None:
 def merge(paths: Sequence[str], out_dir: str) -> dict:
   """Joins runs of one protocol that split the seeds (``--first-seed``) into ``out_dir``."""
   parts = [records.load_json(p) for p in paths]
-  out = records.join_seeds(parts, ignore=("seeds", "epochs_completed"))
+  out = records.join_seeds(parts)
   out["summary"] = summarize(out["results"])
   os.makedirs(out_dir, exist_ok=True)
   report.write_json(os.path.join(out_dir, "orthogonal_cnn.json"), out)
