@@ -402,4 +402,3 @@ class MaxNorm(Constraint):
     new_point = (cos * w + along * p_w, cos * xi + along * p_xi)
     new_vector = (cos * p_w - back * w, cos * p_xi - back * xi)
     return new_point, self._coordinates(new_point, new_vector)
-
