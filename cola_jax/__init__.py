@@ -4,8 +4,6 @@ Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of Neural
 Networks*, OPT2020.
 """
 
-from typing import TYPE_CHECKING
-
 from cola_jax import langevin
 from cola_jax.alias import (
   c_cola_od,
@@ -35,7 +33,6 @@ from cola_jax.constraints import (
   UnitNorm,
   UnitNormState,
 )
-from cola_jax.constraints.max_norm import deprecated_name as _deprecated_name
 from cola_jax.declared import constraints_from, with_constraint
 from cola_jax.diagnostics import constraint_residuals
 from cola_jax.hyperspherical import hyperspherical_descent
@@ -87,12 +84,3 @@ __all__ = [
   "sgd_momentum_to_langevin",
   "with_constraint",
 ]
-
-if TYPE_CHECKING:  # the deprecated names (not in __all__), for type checkers: Sphere is MaxNorm
-  Sphere = MaxNorm
-  SphereState = MaxNormState
-else:
-
-  def __getattr__(name: str):
-    """``Sphere`` and ``SphereState``, deprecated: ``MaxNorm`` and ``MaxNormState``, with a DeprecationWarning."""
-    return _deprecated_name(__name__, name)

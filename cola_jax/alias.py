@@ -109,19 +109,6 @@ def _warn_default_mask(owner: str, masks) -> None:
     )
 
 
-def _owner(default: str, owner: str | None) -> str:
-  """The name errors give: the preset's (see ``called_as``), or the deprecated ``owner=`` where still passed."""
-  if owner is None:
-    return caller(default)
-  warnings.warn(
-    f"{default}: owner= is deprecated and will be removed in the next release: errors name the function the user "
-    "called without it (a preset's name reaches its constraints by itself).",
-    DeprecationWarning,
-    stacklevel=3,
-  )
-  return owner
-
-
 def _chosen(owner: str, constraints, preset: Callable[[], Any], **alternatives) -> Any:
   """``constraints`` if given (then none of the ``alternatives``, the preset's radius or mask), else ``preset()``."""
   if constraints is None:
@@ -145,14 +132,12 @@ def _circle_chosen(owner: str, constraints, radius, mask) -> Any:
   return _chosen(owner, constraints, lambda: circle_constraints(radius, mask=mask), mask=mask, radius=radius)
 
 
-def circle_constraints(radius: RadiusSpec, *, mask: MaskOrFn = None, owner: str | None = None):
+def circle_constraints(radius: RadiusSpec, *, mask: MaskOrFn = None):
   """The constraints of :func:`c_cola_od` and :func:`c_cola_ud`, as a callable.
 
   Returns a function ``params -> pytree`` with a :class:`~cola_jax.Circle` on
   each masked-in leaf whose radius is not None, for
   ``cola_od``/``cola_ud(constraints=...)`` or :func:`~cola_jax.project_params`.
-  ``owner=``, a name for errors, is deprecated (a ``DeprecationWarning``;
-  gone in the next release): errors name the function the user called.
 
   Example:
     >>> import jax.numpy as jnp, cola_jax as cola
@@ -164,7 +149,7 @@ def circle_constraints(radius: RadiusSpec, *, mask: MaskOrFn = None, owner: str 
     Array([[ 0.099, -0.02 ], [ 0.   ,  0.01 ]], dtype=float32)
   """
 
-  owner = _owner("circle_constraints", owner)
+  owner = caller("circle_constraints")
   if not is_function(radius):  # numbers known now are checked now
     for path, r in jax.tree_util.tree_flatten_with_path(radius)[0]:
       check_positive(owner, f"radius{jax.tree_util.keystr(path)}", r)
@@ -185,14 +170,11 @@ def orthogonal_constraints(
   max_iterations: int = 20,
   projection: str = "quasi_newton",
   loop: str = "while",
-  owner: str | None = None,
 ):
   """The constraints of :func:`o_cola_od` and :func:`o_cola_ud`, as a callable.
 
   Returns a function ``params -> pytree`` with an :class:`~cola_jax.Orthogonal`
   on each masked-in leaf (default: ``ndim >= 2``).
-  ``owner=``, a name for errors, is deprecated (a ``DeprecationWarning``;
-  gone in the next release): errors name the function the user called.
 
   Example:
     >>> import jax.numpy as jnp, cola_jax as cola
@@ -204,7 +186,7 @@ def orthogonal_constraints(
     Array([[1., 0.], [0., 1.], [0., 0.]], dtype=float32)
   """
   orthogonal = Orthogonal(tolerance=tolerance, max_iterations=max_iterations, projection=projection, loop=loop)
-  return _constraints_per_leaf(_owner("orthogonal_constraints", owner), mask, lambda *_: orthogonal, warn_default=True)
+  return _constraints_per_leaf(caller("orthogonal_constraints"), mask, lambda *_: orthogonal, warn_default=True)
 
 
 def c_cola_od(

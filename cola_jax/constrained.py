@@ -102,6 +102,15 @@ def constrained(
 
   Unconstrained leaves (``None``) get exactly ``inner``'s update.
 
+  A start off the manifold. Every update re-establishes each leaf's point
+  from the parameters it is given, so the first update from a leaf off its
+  manifold starts at its constraint's ``nearest`` point (where
+  :func:`~cola_jax.project_params` puts it: a kernel's polar factor, a
+  bounded weight at most 0.99 of its bound) and takes its step from there,
+  with the gradient computed at the starting parameters. To compute that
+  gradient on the manifold too, call :func:`~cola_jax.project_params` before
+  ``init``.
+
   What ``inner`` sees of a constrained leaf: its tangent vectors in the
   coordinates the constraint stores momenta in (those of ``cola_ud``), shaped
   like the leaf except for :class:`~cola_jax.Implicit` (flat, ``(n + K,)``: the

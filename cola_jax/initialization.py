@@ -8,8 +8,17 @@ from cola_jax._tree import ConstraintSpec, LeafLayout
 def project_params(params: Any, constraints: ConstraintSpec) -> Any:
   """The parameters with every constrained leaf moved onto its manifold.
 
-  Circle leaves are clipped to ``[-r, r]``; orthogonal leaves are replaced by
-  their polar factor (the nearest matrix with orthonormal columns or rows);
+  Each constrained leaf goes to its constraint's ``nearest``. A
+  :class:`~cola_jax.Circle` weight with ``|w| > 0.99 r`` moves to ``0.99 r``
+  with its sign, not to the bound: there its slack would be 0, the gradient
+  has no component along the circle, and the weight would barely move;
+  weights with ``|w| <= 0.99 r`` stay. Likewise a :class:`~cola_jax.Box`
+  weight beyond a bound or within ``0.01 (upper - lower) / 2`` of it moves to
+  that distance inside, and a :class:`~cola_jax.MaxNorm` unit with
+  ``|w_j| > 0.99 r`` is scaled to ``|w_j| = 0.99 r``.
+  :class:`~cola_jax.UnitNorm` units are scaled to norm ``r``, negative
+  :class:`~cola_jax.NonNegative` weights set to 0, orthogonal leaves replaced
+  by their polar factor (the nearest matrix with orthonormal columns or rows);
   free leaves are unchanged. A constrained leaf with an ``inf`` or NaN entry
   comes back as NaN (an :class:`~cola_jax.Implicit` one raises ValueError);
   finite leaves of any size are projected. The first update of a CoLA transform does the

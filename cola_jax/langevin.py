@@ -27,8 +27,7 @@ Randomness is explicit: a map reads its step's standard normal numbers
 ``noise`` as an argument (None: no noise), drawn from a PRNG key by
 :func:`draw_noise`, which reads only the point's shapes, dtypes and shardings.
 A transform can thus draw the noise of many leaves in one program and hand
-each map its own. (A PRNG key where the numbers go, or as ``key=``, the
-earlier spelling, is still drawn from, with a DeprecationWarning.)
+each map its own.
 
 With ``tau = 0`` and no constraint, :func:`overdamped_step` is gradient descent
 with learning rate ``h`` and :func:`oba_step` is SGD with momentum
@@ -42,12 +41,10 @@ References:
   integration and solvent-solute splitting*, Proc. R. Soc. A, 2016.
 """
 
-import warnings
 from typing import Any
 
 import jax
 
-from cola_jax._numerics import is_prng_key
 from cola_jax.constraints.base import Constraint, Momentum, Point
 
 _DYNAMICS = ("overdamped", "OBA", "BAOAB")
@@ -78,19 +75,6 @@ def draw_noise(constraint: Constraint, key: jax.Array, point: Point, dynamics: s
   return constraint.cotangent_draw(key, point)
 
 
-def _drawn(step: str, dynamics: str, constraint: Constraint, point: Point, noise, key):
-  """``noise``, or the deprecated ``key`` (given as ``key=`` or where ``noise`` goes) drawn from, with a warning."""
-  if key is None and not is_prng_key(noise):
-    return noise
-  warnings.warn(
-    f"langevin.{step}: the PRNG key argument is deprecated: pass the step's numbers as "
-    f"noise=langevin.draw_noise(constraint, key, point, {dynamics!r}).",
-    DeprecationWarning,
-    stacklevel=3,
-  )
-  return draw_noise(constraint, noise if key is None else key, point, dynamics)
-
-
 def overdamped_step(
   constraint: Constraint,
   point: Point,
@@ -98,8 +82,6 @@ def overdamped_step(
   h,
   noise_scale=None,
   noise: Any = None,
-  *,
-  key: jax.Array | None = None,
 ) -> Point:
   """One Euler-Maruyama step of size ``h``, projected back onto the manifold.
 
@@ -115,7 +97,6 @@ def overdamped_step(
     >>> [round(float(t), 3) for t in theta], bool(jnp.allclose(theta**2 + xi**2, 1.0))  # (1.0, 0.8) projected
     ([0.781, -0.6], True)
   """
-  noise = _drawn("overdamped_step", "overdamped", constraint, point, noise, key)
   step = jax.tree.map(lambda force: -h * force, constraint.ambient_gradient(point, grad))
   if noise is not None:
     step = jax.tree.map(lambda s, r: s + noise_scale * r, step, noise)
@@ -129,8 +110,6 @@ def o_step(
   decay,
   noise_scale=None,
   noise: Any = None,
-  *,
-  key: jax.Array | None = None,
 ) -> Momentum:
   """Friction and fluctuation: the exact Ornstein-Uhlenbeck flow on ``T*_q M``.
 
@@ -146,7 +125,6 @@ def o_step(
     >>> langevin.o_step(circle, point, jnp.array([1.0, -1.0]), decay=0.5)  # no noise: friction only
     Array([ 0.5, -0.5], dtype=float32)
   """
-  noise = _drawn("o_step", "BAOAB", constraint, point, noise, key)
   momentum = decay * momentum
   if noise is not None:
     momentum = momentum + noise_scale * constraint.cotangent_normal(point, noise)
@@ -192,8 +170,6 @@ def oba_step(
   decay,
   noise_scale=None,
   noise: Any = None,
-  *,
-  key: jax.Array | None = None,
 ) -> tuple[Point, Momentum]:
   """One underdamped step in the paper's order: O, then B, then A.
 
@@ -215,7 +191,6 @@ def oba_step(
     >>> [round(float(p), 3) for p in momentum], bool(jnp.allclose(theta**2 + xi**2, 1.0))  # p = -h grad xi / r
     ([-0.08, -0.08], True)
   """
-  noise = _drawn("oba_step", "OBA", constraint, point, noise, key)
   if noise is not None and constraint.project_noise_with_force:
     force = jax.tree.map(lambda r, g: noise_scale * r - h * g, noise, constraint.ambient_gradient(point, grad))
     momentum = jax.tree.map(lambda p, f: decay * p + f, momentum, constraint.cotangent(point, force))
@@ -234,8 +209,6 @@ def baoab_step(
   decay,
   noise_scale=None,
   noise: Any = None,
-  *,
-  key: jax.Array | None = None,
 ) -> tuple[Point, Momentum]:
   """One BAOAB step, written as B A O A with the kick ``kick``.
 
@@ -264,7 +237,6 @@ def baoab_step(
     >>> [round(float(p), 3) for p in momentum], bool(jnp.allclose(theta**2 + xi**2, 1.0))
     ([-0.036, -0.036], True)
   """
-  noise = _drawn("baoab_step", "BAOAB", constraint, point, noise, key)
   momentum = b_step(constraint, point, momentum, grad, kick)
   point, momentum = a_step(constraint, point, momentum, h / 2)
   momentum = o_step(constraint, point, momentum, decay, noise_scale, noise)

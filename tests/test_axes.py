@@ -355,7 +355,7 @@ def test_per_unit_ball_agrees_with_max_norm(method, h, steps, atol):
 
 
 def test_per_unit_norm_projects_radially():
-  """Newton along ``G(z)^T = 2 z`` from ``z`` scales each unit: the nearest point is radial."""
+  """Newton along each iterate's normal ``2 q`` scales each unit: the nearest point is radial."""
   w = jax.random.normal(jax.random.key(8), (5, 6, 2))
   unit_norm = cola.Implicit(equality=lambda u: jnp.sum(u * u) - 1, axis=1)
   np.testing.assert_allclose(

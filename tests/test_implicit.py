@@ -479,15 +479,16 @@ def _zero_sum_norm(r):
 
 
 def test_newton_converges_far_below_the_start_in_float32():
-  """Glorot columns of a 784-1000 layer (norm ~0.94) onto zero sum and norm r = 0.05.
+  """Glorot columns of a 784-1000 layer (norm ~0.94) onto zero sum and norm r = 0.05, and SHAKE back towards them.
 
-  The multiplier is large (``z + G^T lambda`` cancels 95% of ``z``), and its
-  float32 rounding in ``z + step + G^T lambda`` is ~20 ulp of the result: when
-  every iterate is rebuilt from ``z``, that error is drawn afresh each time and
-  Newton stalls at ``max |g| ~ 1e-6`` (about half of these columns failed the
-  tolerance of 1e-6 that way). Corrected from the previous iterate, it reaches
-  the rounding of ``g`` itself. From ``z`` along ``G(z)^T = (1, 2 z / r^2)``
-  the projection is the centred column scaled to norm ``r``.
+  From the columns themselves (an update's start), Newton along each iterate's
+  normals ``(1, 2 q / r^2)`` stays in the span of ``1`` and the column: the
+  projection is the centred column scaled to norm ``r``. SHAKE's step from
+  there back to the columns has a large multiplier (``G^T lambda`` cancels
+  95% of the step), whose float32 rounding is ~20 ulp of the result: when
+  every iterate is rebuilt from ``q_n + step + G^T lambda``, that error is
+  drawn afresh each time and Newton stalls at ``max |g| ~ 1e-6``. Corrected
+  from the previous iterate, it reaches the tolerance.
   """
   r = 0.05
   columns = _glorot_columns(784, 1000, 64)
@@ -500,6 +501,9 @@ def test_newton_converges_far_below_the_start_in_float32():
   np.testing.assert_allclose(points.x.T, expected, rtol=0, atol=2e-8)
   projected = cola.project_params(columns, per_unit)
   np.testing.assert_allclose(projected, expected, rtol=0, atol=2e-8)
+  anchor = per_unit.point(projected, per_unit.init(projected))
+  back = jax.jit(per_unit.project)(anchor, (columns - projected).ravel())
+  assert bool(jnp.all(back.converged)) and float(per_unit.init(back.x).residual(back.x)) <= per_unit.tolerance
   # A noisy step from there converges too (no rejection).
   tx = cola.cola_od(1e-3, constraints=per_unit, temperature=1e-6, key=jax.random.key(1))
   grads = 0.1 * jax.random.normal(jax.random.key(2), projected.shape)
@@ -507,6 +511,29 @@ def test_newton_converges_far_below_the_start_in_float32():
   assert bool(state.constraint_states.converged)
   assert float(jnp.max(jnp.abs(updates))) > 1e-5
   assert float(state.constraint_states.residual(projected + updates)) <= 1e-6
+
+
+def test_the_catalog_min_max_norm_recipe_is_keras_to_float32_rounding():
+  """The catalog's ``MinMaxNorm(0.2, 0.5)`` recipe on the array of Keras' own constraints test.
+
+  Keras rescales each column to ``w * clip(|w|, lo, hi) / (1e-7 + |w|)``; its test array has column norms
+  254-313, so every column lands on ``|w| = 0.5``, 500 times shorter. Newton from the far start scales each
+  column by a factor of order one per iteration, so each entry keeps float32 rounding: at most 2 ulp per
+  iteration (a product and a difference) over ``max_iterations``, and the norm within ``tolerance / 2`` of the
+  bound (``|g| <= tolerance`` for ``g = |w|^2 / hi^2 - 1``). Corrections along the start's own normals
+  instead cancel 99.8% of each column and left 2e-4 of it (1,700 ulp) in the result.
+  """
+  lo, hi = 0.2, 0.5
+  recipe = cola.Implicit(inequality=lambda w: jnp.stack([lo**2 - w @ w, w @ w - hi**2]) / hi**2, axis=0)
+  keras_test_array = np.random.RandomState(3537).random_sample((100, 100)) * 100.0 - 50.0
+  keras_test_array[0, 0] = 0.0
+  w = jnp.asarray(keras_test_array, jnp.float32)
+  w64 = np.asarray(w, np.float64)
+  norms = np.linalg.norm(w64, axis=0)
+  keras = w64 * (np.clip(norms, lo, hi) / (1e-7 + norms))
+  got = np.asarray(cola.project_params(w, recipe), np.float64)
+  bound = recipe.tolerance / 2 + 2 * recipe.max_iterations * np.finfo(np.float32).eps
+  np.testing.assert_array_less(np.abs(got - keras), bound * np.abs(keras) + np.finfo(np.float32).tiny)
 
 
 # --------------------------------------------------------------------------------------

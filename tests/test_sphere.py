@@ -1,4 +1,4 @@
-r"""The max-norm constraint :class:`~cola_jax.MaxNorm` (formerly ``Sphere``): ``|w_j|^2 + xi_j^2 = r^2`` per unit.
+r"""The max-norm constraint :class:`~cola_jax.MaxNorm`: ``|w_j|^2 + xi_j^2 = r^2`` per unit.
 
 Geometry (frame, projections, the exact geodesic A step against float64
 numpy), equivalence with :class:`~cola_jax.Circle` when every unit has one
@@ -23,10 +23,8 @@ at ``tau n / r^2 = n`` per unit time; t = 10 (od) leaves ``exp(-10)``. ud:
 ``gamma = 1``, t = 20, as for the circle in ``test_invariant_measure.py``.
 """
 
-import inspect
 import math
 import os
-import warnings
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
@@ -88,43 +86,6 @@ def test_axis_must_be_integers_without_repeats():
     cola.MaxNorm(1.0, axis=True)
   assert cola.MaxNorm(1.0, axis=[0, 1]) == cola.MaxNorm(1.0, axis=(0, 1))  # hashable
   assert hash(cola.MaxNorm(1.0, axis=[0, 1])) == hash(cola.MaxNorm(1.0, axis=(0, 1)))
-
-
-# The former name ``Sphere``: deprecated, the same constraint.
-SPHERE_DEPRECATED = (
-  r"cola_jax\.Sphere is deprecated and will be removed in the next release: it is the max-norm ball "
-  r"\|w_j\| <= radius; use cola_jax\.MaxNorm \(for the sphere \|w_j\| = radius, use cola_jax\.UnitNorm\)"
-)
-
-
-def test_the_old_name_constructs_a_max_norm_with_a_deprecation_warning():
-  with pytest.warns(DeprecationWarning, match=SPHERE_DEPRECATED):
-    c = cola.Sphere(0.5, axis=[0])
-  assert type(c) is cola.MaxNorm and c == cola.MaxNorm(0.5, axis=0)
-  assert hash(c) == hash(cola.MaxNorm(0.5, axis=0))
-  with pytest.warns(DeprecationWarning, match=r"cola_jax\.SphereState is deprecated .*use cola_jax\.MaxNormState"):
-    assert cola.SphereState is cola.MaxNormState
-  with pytest.warns(DeprecationWarning, match=r"cola_jax\.constraints\.Sphere is deprecated .*MaxNorm"):
-    from cola_jax.constraints import Sphere
-  assert Sphere is cola.MaxNorm
-  with pytest.warns(DeprecationWarning, match=r"cola_jax\.constraints\.SphereState is deprecated .*MaxNormState"):
-    from cola_jax.constraints.sphere import SphereState  # the previous release's module
-  assert SphereState is cola.MaxNormState
-  assert not {"Sphere", "SphereState"} & {*cola.__all__, *cola.constraints.__all__}
-  with pytest.raises(AttributeError, match="has no attribute 'Spheres'"):
-    cola.Spheres  # noqa: B018 (other names are not found)
-
-
-def test_the_deprecation_warning_points_at_the_callers_line():
-  """Attributed to the line that names ``Sphere``, so that pyproject's filter on cola_jax's own
-  DeprecationWarnings (errors in the tests) does not turn a user's call into an error."""
-  with warnings.catch_warnings(record=True) as record:
-    warnings.simplefilter("always")
-    warnings.filterwarnings("error", category=DeprecationWarning, module=r"cola_jax(\..*)?$")
-    line = inspect.currentframe().f_lineno + 1
-    c = cola.Sphere(1.0)  # a DeprecationWarning, not an error
-  assert c == cola.MaxNorm(1.0)
-  assert [(w.category, w.filename, w.lineno) for w in record] == [(DeprecationWarning, __file__, line)]
 
 
 # axis="all": the whole leaf is one unit, |W|_F <= r.

@@ -350,13 +350,6 @@ def test_the_constraint_builders_name_the_preset_or_themselves():
     cola.orthogonal_constraints(mask="w")
   with pytest.raises(TypeError, match="^o_cola_od: mask must be booleans"):
     cola.o_cola_od(0.1, mask="w")
-  # owner=, there only for error messages, still works for one release, with a DeprecationWarning.
-  deprecated = pytest.warns(DeprecationWarning, match="circle_constraints: owner= is deprecated")
-  with deprecated, pytest.raises(ValueError, match=re.escape("mine: radius['w'] must be positive")):
-    cola.circle_constraints({"w": -1.0, "b": None}, owner="mine")
-  deprecated = pytest.warns(DeprecationWarning, match="orthogonal_constraints: owner= is deprecated")
-  with deprecated, pytest.raises(TypeError, match="^mine: mask must be booleans"):
-    cola.orthogonal_constraints(mask="w", owner="mine")
 
 
 @pytest.mark.parametrize("owner", ["c_cola_od", "c_cola_ud", "o_cola_od", "o_cola_ud"])

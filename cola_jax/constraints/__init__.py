@@ -1,13 +1,10 @@
 """Constraint manifolds, one module each."""
 
-from typing import TYPE_CHECKING
-
 from cola_jax.constraints.base import Constraint, Euclidean
 from cola_jax.constraints.box import Box, BoxState
 from cola_jax.constraints.circle import Circle, CircleState
 from cola_jax.constraints.implicit import Implicit, ImplicitState
 from cola_jax.constraints.max_norm import MaxNorm, MaxNormState
-from cola_jax.constraints.max_norm import deprecated_name as _deprecated_name
 from cola_jax.constraints.non_negative import NonNegative, NonNegativeState
 from cola_jax.constraints.orthogonal import Orthogonal, ProjectionInfo
 from cola_jax.constraints.unit_norm import UnitNorm, UnitNormState
@@ -30,12 +27,3 @@ __all__ = [
   "UnitNorm",
   "UnitNormState",
 ]
-
-if TYPE_CHECKING:  # the deprecated names, for type checkers: Sphere is MaxNorm
-  Sphere = MaxNorm
-  SphereState = MaxNormState
-else:
-
-  def __getattr__(name: str):
-    """``Sphere`` and ``SphereState``, deprecated: ``MaxNorm`` and ``MaxNormState``, with a DeprecationWarning."""
-    return _deprecated_name(__name__, name)

@@ -11,16 +11,13 @@ Every method is a pure function of arrays, safe under ``jit`` and ``vmap``.
 """
 
 import abc
-import functools
-import inspect
-import warnings
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from cola_jax import _compiled, _noise
-from cola_jax._numerics import explicit_sharding, is_prng_key
+from cola_jax._numerics import explicit_sharding
 
 Point = Any
 Momentum = Any
@@ -59,22 +56,6 @@ class Constraint(abc.ABC):
   # ``cotangent`` takes; "frame", as coordinates in a frame of the tangent
   # space (tangent whatever their values).
   momentum_coordinates: ClassVar[str] = "ambient"
-
-  def __init_subclass__(cls, **kwargs):
-    super().__init_subclass__(**kwargs)
-    own = cls.__dict__.get("cotangent_normal")
-    if own is None:
-      return
-    if list(inspect.signature(own).parameters)[1:2] == ["key"]:
-      warnings.warn(
-        f"{cls.__name__}.cotangent_normal(key, point) is deprecated: define cotangent_draw(key, point) (the "
-        "numbers, from the point's shapes only) and cotangent_normal(point, draw); until then "
-        f"{cls.__name__} takes the default, the ambient draw projected by its cotangent().",
-        DeprecationWarning,
-        stacklevel=2,
-      )
-      own = _default_cotangent_normal
-    cls.cotangent_normal = _accepting_a_key(own)
 
   def validate(self, param: jax.Array, path: str) -> None:
     """Raises ValueError naming ``path`` if the leaf cannot carry this constraint."""
@@ -185,31 +166,6 @@ class Constraint(abc.ABC):
 
 def _nearest_from_itself(constraint: Constraint, param: jax.Array) -> jax.Array:
   return constraint.unpack(constraint.point(param, constraint.init(param)), param)[0]
-
-
-_default_cotangent_normal = Constraint.cotangent_normal
-
-
-def _accepting_a_key(cotangent_normal):
-  """``cotangent_normal(point, draw)`` that also takes the deprecated ``(key, point)``, with a warning."""
-
-  @functools.wraps(cotangent_normal)
-  def accepting(self, point, draw):
-    if is_prng_key(point):
-      warnings.warn(
-        f"{type(self).__name__}.cotangent_normal(key, point) is deprecated: call "
-        "cotangent_normal(point, cotangent_draw(key, point)).",
-        DeprecationWarning,
-        stacklevel=2,
-      )
-      key, point = point, draw
-      draw = self.cotangent_draw(key, point)
-    return cotangent_normal(self, point, draw)
-
-  return accepting
-
-
-Constraint.cotangent_normal = _accepting_a_key(_default_cotangent_normal)
 
 
 class Euclidean(Constraint):

@@ -69,15 +69,20 @@ parameter stays on the manifold. A smaller step size is the remedy.
 
 Start. A parameter with ``max |g| > tolerance`` at the start of an update
 (the initial value, or one changed outside the optimizer) is first projected
-from itself, ``z + G(z)^T lambda`` with ``lambda`` by Newton: radially for a
-norm, onto the polar factor for orthogonality, orthogonally for linear
-constraints. If that fails too, the update starts from the parameter as it
-is and is flagged; :meth:`Implicit.nearest` (and so
-:func:`~cola_jax.project_params`) raises instead. The slacks start at
-``s = +sqrt(max(-d(x), 0))``, so a violated inequality starts with ``s = 0``
-and is projected; along ``G(z)^T`` such a slack stays 0 (its column of ``G``
-is ``2 s``), so the inequality ends active, which can be incompatible with the
-equalities: start inside the inequalities when both are given.
+from itself by Newton's method along the normals of each iterate,
+``z <- z - G(z)^T (G(z) G(z)^T)^{-1} g(z)``: radially for a norm, onto the
+polar factor for orthogonality, orthogonally for linear constraints. Onto a
+manifold far smaller than the start, a norm, say, each iteration scales the
+point by a factor of order one, so the result keeps float32 rounding; SHAKE's
+corrections along the start's fixed normals would cancel nearly all of the
+start and leave its rounding in the result. If that fails too, the
+update starts from the parameter as it is and is flagged;
+:meth:`Implicit.nearest` (and so :func:`~cola_jax.project_params`) raises
+instead. The slacks start at ``s = +sqrt(max(-d(x), 0))``, so a violated
+inequality starts with ``s = 0`` and is projected; along ``G(z)^T`` such a
+slack stays 0 (its column of ``G`` is ``2 s``), so the inequality ends
+active, which can be incompatible with the equalities: start inside the
+inequalities when both are given.
 
 Scope. ``G`` is a dense ``m x (n + k)`` matrix and the solves are ``m x m``:
 meant for a few constraint components per leaf (a norm, sums per unit, a
@@ -301,6 +306,37 @@ class _Geometry:
     impulse = self.transpose(x_n, s_n, jnp.where(converged[..., None], lam, 0))
     return (qx, qs), impulse, k, converged
 
+  def descend(self, x, s):
+    """Newton's method for ``g = 0`` along each iterate's own normals: ``(q, iterations, converged)`` per unit.
+
+    ``q <- q - G(q)^T (G(q) G(q)^T)^{-1} g(q)``, the shortest step that zeroes
+    the linearisation of ``g`` at ``q``. Far from a small manifold (a norm
+    projected from 500 times its bound, say) each step scales a unit by a
+    factor of order one, so the unit keeps float32 rounding; SHAKE's
+    corrections along the fixed ``G(z)^T`` would cancel nearly all of ``z``
+    and leave ``|z| / |q|`` ulp of it in the result. Where a unit did not
+    converge, ``q`` is the last iterate.
+    """
+    c = self.constraint
+
+    def pending(carry):
+      _, _, gq, k = carry
+      return (self.worst(gq) > c.tolerance) & (k < c.max_iterations)  # NaN compares False: a diverged unit stops
+
+    def iterate(carry):
+      qx, qs, gq, k = carry
+      active = pending(carry)
+      delta = jnp.where(active[..., None], _solve(self.products(qx, qs, qx, qs), gq, symmetric=True), 0)
+      dx, ds = self.transpose(qx, qs, delta)
+      qx, qs = qx - dx, qs - ds
+      return qx, qs, self.values(qx, qs), k + active
+
+    start = (x, s, self.values(x, s), jnp.zeros(self.layout.other_shape, jnp.int32))
+    qx, qs, gq, k = bounded_while_loop(
+      lambda carry: jnp.any(pending(carry)), iterate, start, c.max_iterations, c.loop == "fixed"
+    )
+    return (qx, qs), k, (self.worst(gq) <= c.tolerance) & self.finite(qx, qs)
+
 
 # Up to this many components per unit, G G^T is built from separate passes over
 # the leaf (one per row of the Jacobian) and the small systems are solved by
@@ -517,7 +553,7 @@ class Implicit(Constraint):
     # (with fixed loops: always, selected).
     def reproject(carry):
       x, s, _, _, _ = carry
-      q, _, k, converged = geometry.shake(x, s, jnp.zeros_like(x), jnp.zeros_like(s), quasi_newton=False)
+      q, k, converged = geometry.descend(x, s)
       x, s = geometry.where(needed & converged, q, (x, s))
       return x, s, jnp.where(needed, k, 0), converged | ~needed, jnp.array(False)
 
@@ -572,8 +608,9 @@ class Implicit(Constraint):
 
     SHAKE corrects along the normals at ``q``, which cannot reach the
     manifold from a step that goes too far (past the vertex of a parabola,
-    say); Newton from the moved point, along its own normals, as at the start
-    of an update, can. A unit that neither reaches stays at ``q``, flagged.
+    say); Newton from the moved point, along the normals of each iterate, as
+    at the start of an update, can. A unit that neither reaches stays at
+    ``q``, flagged.
     """
     geometry = self._geometry(point.x.shape)
     shaken = self.project(point, tangent)

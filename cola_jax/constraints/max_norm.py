@@ -12,8 +12,7 @@ Flax ``Dense`` kernel ``(in, out)`` the unit is the column ``kernel[:, j]``
 gets one slack per output filter. ``axis`` chooses other axes (``"all"``: the
 whole leaf is one unit, ``|W|_F <= r``). With one weight per unit (``n = 1``)
 this is exactly :class:`~cola_jax.Circle`. The sphere ``|w_j| = r`` itself,
-without a slack, is :class:`~cola_jax.UnitNorm`. This class was called
-``Sphere`` (for the slack sphere ``S^n``) before; that name is deprecated.
+without a slack, is :class:`~cola_jax.UnitNorm`.
 
 Momentum. The cotangent space at ``q_j`` has dimension ``n``, as many as the
 unit has weights, so the momentum is stored shaped like the leaf, as the
@@ -71,7 +70,6 @@ References:
 
 import dataclasses
 import operator
-import warnings
 from typing import Literal, NamedTuple
 
 import jax
@@ -176,8 +174,6 @@ class MaxNorm(Constraint):
   The max-norm ball, held exactly through one slack ``xi_j`` per unit (the
   unit and its slack move on the sphere ``S^n``), not by rescaling after each
   step. For the sphere ``|w_j| = radius`` use :class:`~cola_jax.UnitNorm`.
-  (Formerly ``Sphere``: that name still constructs a ``MaxNorm``, with a
-  ``DeprecationWarning``, and goes in the next release.)
 
   Args:
     radius: the bound ``r > 0`` on the Euclidean norm of each unit's weights.
@@ -406,36 +402,3 @@ class MaxNorm(Constraint):
     new_point = (cos * w + along * p_w, cos * xi + along * p_xi)
     new_vector = (cos * p_w - back * w, cos * p_xi - back * xi)
     return new_point, self._coordinates(new_point, new_vector)
-
-
-# The names of the previous release, which called the ball after its slack sphere: they keep working, with a
-# DeprecationWarning, for one release (the packages' module-level ``__getattr__`` looks them up here).
-_DEPRECATED = {
-  "Sphere": (
-    MaxNorm,
-    "it is the max-norm ball |w_j| <= radius; use {package}.MaxNorm "
-    "(for the sphere |w_j| = radius, use {package}.UnitNorm)",
-  ),
-  "SphereState": (
-    MaxNormState,
-    "it is the state of the max-norm ball |w_j| <= radius; use {package}.MaxNormState "
-    "(for the sphere |w_j| = radius, use {package}.UnitNorm, whose state is {package}.UnitNormState)",
-  ),
-}
-
-
-def deprecated_name(package: str, name: str):
-  """What the deprecated ``package.name`` stands for, after a DeprecationWarning; AttributeError for other names.
-
-  Called from a module's ``__getattr__``: the warning is attributed to the line that named it (``stacklevel=3``),
-  so that a filter on ``cola_jax``'s own warnings leaves users' code alone.
-  """
-  if name not in _DEPRECATED:
-    raise AttributeError(f"module {package!r} has no attribute {name!r}")
-  new, why = _DEPRECATED[name]
-  warnings.warn(
-    f"{package}.{name} is deprecated and will be removed in the next release: {why.format(package=package)}.",
-    DeprecationWarning,
-    stacklevel=3,
-  )
-  return new

@@ -284,8 +284,11 @@ class Orthogonal(Constraint):
       tuple; negative values count from the end), given together with
       ``column_axes``. Every axis named by neither is a batch axis: the leaf
       holds one matrix per index of the batch axes, each constrained on its
-      own (torch's per-matrix semantics for stacked weights). ``None`` (both,
-      the default): the rows are every axis but the last, the columns the last.
+      own (as torch's ``orthogonal`` parametrization does with every axis but
+      the last two: on a Flax conv kernel ``(kh, kw, in, out)`` its
+      ``nn.Conv2d`` semantics are ``row_axes=0, column_axes=1``). ``None``
+      (both, the default): the rows are every axis but the last, the columns
+      the last.
     column_axes: the axes that index the columns, as ``row_axes``.
     loop: ``"while"`` (the default) stops each loop as soon as its test is
       met and runs the SVD of a fallback only when one is needed.
