@@ -2,8 +2,9 @@
 
 ``c_cola_od``, ``c_cola_ud`` constrain weights to ``|theta| <= radius`` (circle
 constraints); ``o_cola_od``, ``o_cola_ud`` keep weight matrices and kernels
-orthonormal. By default every leaf with ``ndim >= 2`` (weights and kernels) is
-constrained and biases are free; ``mask`` chooses otherwise, as in
+orthonormal. By default the weight matrices are constrained (every leaf with
+``ndim >= 2`` but biases, scales and embedding tables, named in a warning: the
+rule of every entry, in docs/choosing.md); ``mask`` chooses otherwise, as in
 ``optax.masked``.
 """
 
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from cola_jax._default_leaves import weight_matrices
 from cola_jax._hyperparameters import called_as, caller, check_nonnegative, check_positive
 from cola_jax._tree import ConstraintSpec, is_function
 from cola_jax.constraints.circle import Circle
@@ -27,10 +29,6 @@ from cola_jax.transforms import cola_od, cola_ud
 
 MaskOrFn = Any | Callable[[Any], Any] | None
 RadiusSpec = float | Any | Callable[[Any], Any]
-
-
-def _default_mask(params):
-  return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
 
 
 def _is_boolean(leaf) -> bool:
@@ -59,25 +57,28 @@ def _per_leaf(spec, params, what: str, owner: str):
 
 
 def _constraints_per_leaf(
-  owner: str, mask: MaskOrFn, make: Callable[[Any, str], Any], spec: Any = True, warn_default: bool = False
+  owner: str, mask: MaskOrFn, make: Callable[[Any, str], Any], constraint: str | None, spec: Any = True
 ):
   """A callable ``params -> tree of constraints``.
 
   A leaf gets ``make(leaf_spec, path)`` where ``mask`` is true and the leaf's
   entry of ``spec`` (a prefix pytree or a callable) is not None; else None.
-  With ``warn_default``, the default mask warns, naming the leaves it takes.
+  Without ``mask``, the weight matrices (the default rule, which names them;
+  ``constraint`` spells the constraint for its message, None where ``spec``
+  names the leaves).
   """
 
   if mask is not None and not is_function(mask):
     _check_mask(owner, mask)
 
   def constraints(params):
-    chosen = _default_mask(params) if mask is None else mask(params) if is_function(mask) else mask
+    if mask is None:
+      chosen = weight_matrices(owner, params, constraint, "mask= or constraints=")
+    else:
+      chosen = mask(params) if is_function(mask) else mask
     if is_function(mask):
       _check_mask(owner, chosen, "mask(params)")
     masks = _per_leaf(chosen, params, "mask", owner)
-    if mask is None and warn_default and not _within_masked(params):
-      _warn_default_mask(owner, masks)
     specs = _per_leaf(spec, params, "radius", owner)
 
     def assign(path, masked_in, leaf_spec, _):
@@ -88,25 +89,6 @@ def _constraints_per_leaf(
     return jax.tree_util.tree_map_with_path(assign, masks, specs, params, is_leaf=lambda x: x is None)
 
   return constraints
-
-
-def _within_masked(params) -> bool:
-  """Whether ``params`` is the group that ``optax.masked`` or ``optax.partition`` chose: the user's choice already."""
-  is_masked = lambda x: isinstance(x, optax.MaskedNode)
-  return any(is_masked(x) for x in jax.tree.leaves(params, is_leaf=is_masked))
-
-
-def _warn_default_mask(owner: str, masks) -> None:
-  leaves = jax.tree_util.tree_flatten_with_path(masks)[0]
-  taken = [f"params{jax.tree_util.keystr(path)}" for path, masked_in in leaves if masked_in]
-  if len(taken) > 1:  # one kernel: nothing else it could have meant
-    warnings.warn(
-      f"{owner}: the default mask makes every leaf with ndim >= 2 orthonormal, the model's first and last "
-      f"layers included: {', '.join(taken)}. The paper keeps those free: pass a mask that is True for the "
-      "hidden kernels only (or constraints=); any mask given silences this warning.",
-      UserWarning,
-      stacklevel=2,
-    )
 
 
 def _chosen(owner: str, constraints, preset: Callable[[], Any], **alternatives) -> Any:
@@ -160,7 +142,10 @@ def circle_constraints(radius: RadiusSpec, *, mask: MaskOrFn = None):
     except ValueError as error:
       raise ValueError(f"{owner}: the radius for the leaf at {path}: {error}") from None
 
-  return _constraints_per_leaf(owner, mask, make, spec=radius)
+  # A radius per leaf (a pytree or a callable) names the leaves: the default mask then frees the rest quietly.
+  per_leaf = is_function(radius) or not jax.tree_util.treedef_is_leaf(jax.tree.structure(radius))
+  spelled = None if per_leaf else f"cola.Circle({radius!r})"
+  return _constraints_per_leaf(owner, mask, make, spelled, spec=radius)
 
 
 def orthogonal_constraints(
@@ -174,7 +159,8 @@ def orthogonal_constraints(
   """The constraints of :func:`o_cola_od` and :func:`o_cola_ud`, as a callable.
 
   Returns a function ``params -> pytree`` with an :class:`~cola_jax.Orthogonal`
-  on each masked-in leaf (default: ``ndim >= 2``).
+  on each masked-in leaf (default: the weight matrices, as for
+  :func:`o_cola_od`).
 
   Example:
     >>> import jax.numpy as jnp, cola_jax as cola
@@ -186,7 +172,7 @@ def orthogonal_constraints(
     Array([[1., 0.], [0., 1.], [0., 0.]], dtype=float32)
   """
   orthogonal = Orthogonal(tolerance=tolerance, max_iterations=max_iterations, projection=projection, loop=loop)
-  return _constraints_per_leaf(caller("orthogonal_constraints"), mask, lambda *_: orthogonal, warn_default=True)
+  return _constraints_per_leaf(caller("orthogonal_constraints"), mask, lambda *_: orthogonal, "cola.Orthogonal()")
 
 
 def c_cola_od(
@@ -212,7 +198,10 @@ def c_cola_od(
       or ``None`` leaves (``None``: that leaf is free), or a callable mapping
       the parameters to such a pytree. Required unless ``constraints`` is given.
     mask: which leaves are constrained, as in ``optax.masked`` (a pytree of
-      bools or a callable); default: every leaf with ``ndim >= 2``.
+      bools or a callable); default: the weight matrices, every leaf with
+      ``ndim >= 2`` but biases, scales and embedding tables, named in a
+      ``UserWarning`` when there are more than one (the rule of every entry,
+      in docs/choosing.md, "Which leaves are constrained").
     constraints: instead of ``radius`` and ``mask``, every leaf's constraint, as for
       :func:`cola_jax.cola_od` (a ``Constraint``, a pytree prefix, or a
       callable such as :func:`cola_jax.path_constraints`); the method's
@@ -286,7 +275,10 @@ def c_cola_ud(
       or ``None`` leaves (``None``: that leaf is free), or a callable mapping
       the parameters to such a pytree. Required unless ``constraints`` is given.
     mask: which leaves are constrained, as in ``optax.masked`` (a pytree of
-      bools or a callable); default: every leaf with ``ndim >= 2``.
+      bools or a callable); default: the weight matrices, every leaf with
+      ``ndim >= 2`` but biases, scales and embedding tables, named in a
+      ``UserWarning`` when there are more than one (the rule of every entry,
+      in docs/choosing.md, "Which leaves are constrained").
     constraints: instead of ``radius`` and ``mask``, every leaf's constraint, as for
       :func:`cola_jax.cola_od` (a ``Constraint``, a pytree prefix, or a
       callable such as :func:`cola_jax.path_constraints`); the method's
@@ -349,11 +341,13 @@ def o_cola_od(
   Args:
     learning_rate: the step size ``h > 0`` (SGD's learning rate), a number or
       an optax schedule.
-    mask: which leaves are constrained (pytree of bools or callable); default:
-      every leaf with ``ndim >= 2``, the first and last layers included (the
-      paper keeps them free), which a ``UserWarning`` naming those leaves
-      says when there is more than one. A masked-in leaf with ``ndim < 2``
-      is an error naming its path.
+    mask: which leaves are constrained (pytree of bools or callable);
+      default: the weight matrices, every leaf with ``ndim >= 2`` but biases,
+      scales and embedding tables, named in a ``UserWarning`` when there are
+      more than one (the rule of every entry, in docs/choosing.md, "Which
+      leaves are constrained"). The first and last layers are among them; the
+      paper keeps them free. A masked-in leaf with ``ndim < 2`` is an error
+      naming its path.
     constraints: instead of ``mask``, every leaf's constraint, as for
       :func:`cola_jax.cola_od` (a ``Constraint``, a pytree prefix, or a
       callable such as :func:`cola_jax.path_constraints`); the method's
@@ -427,11 +421,13 @@ def o_cola_ud(
     momentum: instead of ``friction``, optax.sgd's momentum coefficient in
       ``[0, 1]``; ``learning_rate`` is then optax.sgd's learning rate ``h**2``
       (see :func:`cola_jax.cola_ud`).
-    mask: which leaves are constrained (pytree of bools or callable); default:
-      every leaf with ``ndim >= 2``, the first and last layers included (the
-      paper keeps them free), which a ``UserWarning`` naming those leaves
-      says when there is more than one. A masked-in leaf with ``ndim < 2``
-      is an error naming its path.
+    mask: which leaves are constrained (pytree of bools or callable);
+      default: the weight matrices, every leaf with ``ndim >= 2`` but biases,
+      scales and embedding tables, named in a ``UserWarning`` when there are
+      more than one (the rule of every entry, in docs/choosing.md, "Which
+      leaves are constrained"). The first and last layers are among them; the
+      paper keeps them free. A masked-in leaf with ``ndim < 2`` is an error
+      naming its path.
     constraints: instead of ``mask``, every leaf's constraint, as for
       :func:`cola_jax.cola_od` (a ``Constraint``, a pytree prefix, or a
       callable such as :func:`cola_jax.path_constraints`); the method's

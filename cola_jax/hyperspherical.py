@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from cola_jax._default_leaves import weight_matrices
 from cola_jax._hyperparameters import called_as, check_nonnegative, check_positive
 from cola_jax._numerics import inverse_sqrt, max_abs, power_of_two_scale
 from cola_jax._tree import ConstraintSpec, LeafLayout, is_function, is_params_placeholder
@@ -51,6 +52,13 @@ def _check_constraints(constraints: ConstraintSpec) -> None:
   is_leaf = lambda x: x is None or isinstance(x, Constraint)
   for path, leaf in jax.tree_util.tree_flatten_with_path(constraints, is_leaf=is_leaf)[0]:
     _sphere_or_free(leaf, f"at constraints{jax.tree_util.keystr(path)}" if path else "given as constraints")
+
+
+def _on_weight_matrices(params):
+  """The default: each weight matrix on its sphere (``UnitNorm(axis="all")``), the rule's choice of leaves."""
+  sphere = UnitNorm(axis="all")
+  chosen = weight_matrices(_OWNER, params, 'cola.UnitNorm(axis="all")', "constraints=")
+  return jax.tree.map(lambda taken: sphere if taken else None, chosen)
 
 
 def _unit_direction(c: UnitNorm, tangent: jax.Array) -> jax.Array:
@@ -99,7 +107,7 @@ def _scale_by_unit_direction(constraints: ConstraintSpec) -> optax.GradientTrans
 def hyperspherical_descent(
   learning_rate: optax.ScalarOrSchedule,
   *,
-  constraints: ConstraintSpec = UnitNorm(axis="all"),  # noqa: B008 (frozen: immutable)
+  constraints: ConstraintSpec = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Hyperspherical descent: a step of fixed angle against the Riemannian gradient on each sphere.
 
@@ -109,7 +117,7 @@ def hyperspherical_descent(
   ``optax.chain(optax.normalize_by_update_norm(), optax.sgd(learning_rate))``
   (which divides the whole update tree by its norm plus ``1e-6``). Each weight unit ``w`` lies on a sphere
   of radius ``r`` given by a :class:`~cola_jax.UnitNorm` constraint: the whole
-  leaf, ``|W|_F = r``, for ``axis="all"`` (the default), or each column of a
+  leaf, ``|W|_F = r``, for ``axis="all"`` (the default's), or each column of a
   Dense kernel for ``UnitNorm()``, each row for ``UnitNorm(axis=-1)``. With the
   loss gradient ``g`` restricted to the unit,
 
@@ -148,7 +156,10 @@ def hyperspherical_descent(
       (:func:`~cola_jax.path_constraints`). A free leaf (``None``) moves by
       plain gradient descent, ``-eta g``; to train it with another optimizer,
       route it there with ``optax.partition``. Another constraint is a
-      TypeError.
+      TypeError. Default: ``UnitNorm(axis="all")`` on the weight matrices,
+      every leaf with ``ndim >= 2`` but biases, scales and embedding tables,
+      named in a ``UserWarning`` when there are more than one (the rule of
+      every entry, in docs/choosing.md, "Which leaves are constrained").
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` needs
@@ -191,6 +202,8 @@ def hyperspherical_descent(
     check_nonnegative(_OWNER, "learning_rate", learning_rate)
   else:
     check_positive(_OWNER, "learning_rate", learning_rate)
+  if constraints is None:
+    constraints = _on_weight_matrices
   _check_constraints(constraints)
   inner = optax.chain(_scale_by_unit_direction(constraints), optax.scale_by_learning_rate(learning_rate))
   with called_as(_OWNER):  # constrained's errors name the function the user called

@@ -69,6 +69,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from cola_jax._default_leaves import weight_matrices
 from cola_jax._hyperparameters import caller, check_nonnegative, check_positive, check_positive_integer
 from cola_jax._numerics import max_abs, one_matrix_at_a_time, power_of_two_scale
 from cola_jax._tree import (
@@ -251,7 +252,7 @@ def steepest_tangent_direction(
 def manifold_muon(
   learning_rate: optax.ScalarOrSchedule,
   *,
-  constraints: ConstraintSpec = Orthogonal(),  # noqa: B008 (a frozen dataclass; the docs show it as it is)
+  constraints: ConstraintSpec = None,
   momentum: float = 0.95,
   nesterov: bool = True,
   tolerance: float = 1e-6,
@@ -285,8 +286,11 @@ def manifold_muon(
     learning_rate: ``eta``, the spectral norm of each step (a number or an optax schedule).
     constraints: :class:`~cola_jax.Orthogonal` or ``None`` per leaf, as for
       :func:`~cola_jax.cola_od` (a constraint, a pytree prefix of the
-      parameters, or a callable of them); the default makes every leaf
-      orthogonal.
+      parameters, or a callable of them). Default: ``Orthogonal()`` on the
+      weight matrices, every leaf with ``ndim >= 2`` but biases, scales and
+      embedding tables, named in a ``UserWarning`` when there are more than
+      one (the rule of every entry, in docs/choosing.md, "Which leaves are
+      constrained"); the others are free.
     momentum: ``beta`` in ``[0, 1)``; 0 gives the reference's rule (no momentum).
     nesterov: whether ``d`` looks ahead (as ``optax.contrib.muon``).
     tolerance: the residuals at which the direction's ADMM stops.
@@ -323,6 +327,12 @@ def manifold_muon(
   check_positive_integer(owner, "max_iterations", max_iterations)
   if not isinstance(nesterov, bool):
     raise TypeError(f"{owner}: nesterov must be True or False, got {nesterov!r}.")
+  if constraints is None:
+    orthogonal = Orthogonal()
+    constraints = lambda params: jax.tree.map(
+      lambda taken: orthogonal if taken else None,
+      weight_matrices(owner, params, "cola.Orthogonal()", "constraints="),
+    )
 
   def layout_of(params) -> LeafLayout:
     layout = LeafLayout(owner, constraints, params)

@@ -18,6 +18,7 @@ the step's ``O((tau h)^2)`` normal part.
 """
 
 import os
+import warnings
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
@@ -420,3 +421,88 @@ def test_same_shape_leaves_stepped_together_equal_leaf_by_leaf(monkeypatch):
       assert int(getattr(stacked_state.constraint_states[name], field)) == int(
         getattr(single_state.constraint_states[name], field)
       ), (name, field)
+
+
+ATTENTION = {  # Flax's multi-head attention kernels (nnx.MultiHeadAttention, linen's too): 8 features, 2 heads of 4
+  "query": {"kernel": jnp.zeros((8, 2, 4)), "bias": jnp.zeros((2, 4))},
+  "out": {"kernel": jnp.zeros((2, 4, 8)), "bias": jnp.zeros(8)},
+}
+
+
+@pytest.mark.parametrize(
+  ("constraint", "query", "out"),
+  [
+    (
+      cola.Orthogonal(),
+      "Per head: Orthogonal(row_axes=0, column_axes=2); per layer: Orthogonal(row_axes=0, column_axes=(1, 2)).",
+      "Per head: Orthogonal(row_axes=1, column_axes=2); per layer, silencing this: "
+      "Orthogonal(row_axes=(0, 1), column_axes=2).",
+    ),
+    (
+      cola.UnitNorm(),
+      "Per head: UnitNorm(1.0, axis=0); per layer: UnitNorm(1.0, axis=0).",
+      "Per head: UnitNorm(1.0, axis=1); per layer, silencing this: UnitNorm(1.0, axis=(0, 1)).",
+    ),
+    (
+      cola.MaxNorm(2.0),
+      "Per head: MaxNorm(2.0, axis=0); per layer: MaxNorm(2.0, axis=0).",
+      "Per head: MaxNorm(2.0, axis=1); per layer, silencing this: MaxNorm(2.0, axis=(0, 1)).",
+    ),
+  ],
+)
+def test_an_attention_kernel_under_a_default_view_is_named_with_its_per_head_and_per_layer_axes(constraint, query, out):
+  """(features, heads, head_dim) flattened to one (features * heads, head_dim) matrix is no matrix the user meant."""
+  name = type(constraint).__name__
+  rules = cola.path_constraints([("kernel$", constraint)])
+  with pytest.warns(UserWarning) as caught:
+    cola.cola_od(0.1, constraints=rules).init(ATTENTION)
+  messages = {str(w.message) for w in caught}
+  assert {m.split(":")[0] for m in messages} == {
+    f"{name} constraint on the leaf at ['query']['kernel'], of shape (8, 2, 4)",
+    f"{name} constraint on the leaf at ['out']['kernel'], of shape (2, 4, 8)",
+  }
+  (query_message,) = [m for m in messages if "['query']" in m]
+  (out_message,) = [m for m in messages if "['out']" in m]
+  assert "a Flax attention kernel (features, heads, head_dim)" in query_message and query in query_message
+  assert "a Flax attention output kernel (heads, head_dim, features)" in out_message and out in out_message
+
+
+def test_a_3d_leaf_under_the_default_view_warns_unless_its_path_says_conv():
+  """A 1-D conv kernel (width, in, out) is the default's own reading; any other 3-D leaf may be a stack or heads."""
+  params = {"Conv_0": {"kernel": jnp.zeros((3, 4, 5))}, "layers": {"kernel": jnp.zeros((3, 4, 5))}}
+  with pytest.warns(UserWarning) as caught:
+    cola.cola_od(0.1, constraints=cola.Orthogonal()).init(params)
+  (message,) = {str(w.message) for w in caught}
+  assert message.startswith("Orthogonal constraint on the leaf at ['layers']['kernel'], of shape (3, 4, 5): viewed as")
+  assert "e.g. one matrix per index of axis 0: Orthogonal(row_axes=1, column_axes=2)" in message
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    cola.cola_od(0.1, constraints=cola.Orthogonal(row_axes=(0, 1), column_axes=2)).init(params)  # axes given
+    cola.cola_od(0.1, constraints=cola.UnitNorm(axis=(0, 1))).init(params)
+    cola.cola_od(0.1, constraints=cola.Orthogonal()).init({"conv": {"kernel": jnp.zeros((3, 3, 4, 5))}})  # 2-D conv
+
+
+def test_the_per_head_rules_keep_every_head_orthonormal():
+  """The attention rules of the declared-constraints guide: each head's (features, head_dim) and (head_dim, features)
+  matrix orthonormal, which the flattened default leaves far from it."""
+  key_q, key_o = jax.random.split(jax.random.key(0))
+  params = {
+    "query": {"kernel": jax.random.normal(key_q, (8, 2, 4))},
+    "out": {"kernel": jax.random.normal(key_o, (2, 4, 8))},
+  }
+  per_head = cola.path_constraints(
+    [
+      (r"(query|key|value)/kernel$", cola.Orthogonal(row_axes=0, column_axes=2)),
+      (r"out/kernel$", cola.Orthogonal(row_axes=1, column_axes=2)),
+    ]
+  )
+  tx = cola.constrained(optax.adam(1e-2), constraints=per_head)
+  state = tx.init(params)
+  for _ in range(3):
+    grads = jax.tree.map(lambda w: _force(w), params)
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  for h in range(2):
+    q, o = params["query"]["kernel"][:, h, :], params["out"]["kernel"][h]
+    np.testing.assert_allclose(q.T @ q, jnp.eye(4), atol=1e-5)
+    np.testing.assert_allclose(o @ o.T, jnp.eye(4), atol=1e-5)

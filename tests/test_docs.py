@@ -84,6 +84,17 @@ def _hidden_orthonormal_rest_adam(ns):
   assert float(jnp.max(jnp.abs(params["Dense_3"]["bias"] + 1e-3))) < 1e-6
 
 
+def _attention_per_head(ns):
+  attention = ns["model"].attention
+  for name in ("query", "key", "value"):  # (features, heads, head_dim): W^T W = I per head
+    kernel = getattr(attention, name).kernel[...]
+    gram = jnp.einsum("fhd,fhe->hde", kernel, kernel)
+    assert float(jnp.max(jnp.abs(gram - jnp.eye(kernel.shape[2])))) < 1e-5, name
+  out = attention.out.kernel[...]  # (heads, head_dim, features): W W^T = I per head
+  gram = jnp.einsum("hdf,hef->hde", out, out)
+  assert float(jnp.max(jnp.abs(gram - jnp.eye(out.shape[1])))) < 1e-5
+
+
 def _implicit(ns):
   assert bool(ns["opt_state"].constraint_states["kernel"].converged)
 
@@ -103,6 +114,7 @@ CLAIMS = {  # a line of a block -> the check of what its comments say
   "sgd_learning_rate, momentum = cola.langevin_to_sgd_momentum(h, gamma)": _choosing,
   "# hidden kernels orthonormal, the rest by Adam": _hidden_orthonormal_rest_adam,
   "opt_state.constraint_states['kernel'].converged": _implicit,
+  "query = model.attention.query.kernel[...]": _attention_per_head,
   "h, gamma = cola.sgd_momentum_to_langevin(0.1, 0.9)": _from_sgd_momentum,
 }
 WITH_CODE = [p for p in PAGES if _blocks(p)]

@@ -13,6 +13,10 @@ import pytest
 
 import cola_jax as cola
 
+# The presets' default choice of leaves is used on purpose here (the layers' kernels, biases free); that choice
+# and the warning naming it are tested in test_validation.
+pytestmark = pytest.mark.filterwarnings("ignore:.*not told which leaves to constrain:UserWarning")
+
 STEPS = 100
 
 

@@ -276,3 +276,12 @@ def test_update_needs_the_parameters():
   w = jnp.eye(2) / jnp.sqrt(2.0)
   with pytest.raises(ValueError, match="needs the current parameters"):
     tx.update(w, tx.init(w))
+
+
+def test_the_default_leaves_a_bias_alone():
+  """Not told which leaves, it takes the weight matrices: a zero bias is no longer put on the unit sphere
+  (it became [0.5, 0.5, 0.5, 0.5] after one step with a zero gradient)."""
+  params = {"kernel": jnp.eye(4) / 2, "bias": jnp.zeros(4)}
+  new = one_step(cola.hyperspherical_descent(0.1), params, jax.tree.map(jnp.zeros_like, params))
+  np.testing.assert_array_equal(new["bias"], jnp.zeros(4))
+  np.testing.assert_allclose(jnp.linalg.norm(new["kernel"]), 1.0, rtol=1e-6)

@@ -168,7 +168,7 @@ def test_free_leaves_take_sgd_with_the_same_momentum():
   beta, eta = 0.9, 0.05
   grads = [jnp.array([1.0, -2.0]), jnp.array([0.5, 0.5]), jnp.array([-1.0, 3.0])]
   for nesterov in (False, True):
-    tx = cola.manifold_muon(eta, constraints=None, momentum=beta, nesterov=nesterov)
+    tx = cola.manifold_muon(eta, constraints=lambda params: None, momentum=beta, nesterov=nesterov)  # all free
     params = jnp.zeros(2)
     state = tx.init(params)
     m, expected = np.zeros(2), np.zeros(2)
@@ -256,3 +256,19 @@ def test_a_vmapped_step_calls_lapack_one_matrix_at_a_time():
   for call in calls:  # the result's first array: the matrix factored, (n, p) rather than (seeds, n, p)
     shape = re.search(r"\w+\[([\d,]*)\]", call.split(" = ", 1)[1]).group(1)
     assert shape.count(",") == 1, call
+
+
+def test_the_default_steps_a_model_with_biases():
+  """Not told which leaves, it takes the weight matrices (and says which): biases take SGD with momentum, where
+  the default used to raise on any model with a bias."""
+  params = {f"Dense_{i}": {"kernel": jnp.eye(4, 3 - i), "bias": jnp.zeros(3 - i)} for i in range(2)}
+  grads = jax.tree.map(jnp.ones_like, params)
+  with pytest.warns(UserWarning, match=r"it constrains these 2: Dense_0/kernel, Dense_1/kernel\."):
+    tx = cola.manifold_muon(0.1, momentum=0.0)
+    state = tx.init(params)
+    updates, state = tx.update(grads, state, params)
+  new = optax.apply_updates(params, updates)
+  for i in range(2):
+    w = new[f"Dense_{i}"]["kernel"]
+    np.testing.assert_allclose(w.T @ w, jnp.eye(3 - i), atol=1e-6)
+    np.testing.assert_allclose(new[f"Dense_{i}"]["bias"], jnp.full(3 - i, -0.1), rtol=1e-6)

@@ -91,7 +91,7 @@ def test_with_jaxs_threefry_kernel_lowering_the_draws_are_jax_randoms():
   kernel_lowering = jax_config.threefry_gpu_kernel_lowering
   key = jax.random.key(3)
   params = {"w": jnp.zeros((64, 32)), "v": jnp.zeros((64, 32))}  # one group of two leaves on CPU
-  tx = cola.c_cola_ud(0.3, friction=1.0, radius=0.05, temperature=1e-3, key=jax.random.key(0))
+  tx = cola.c_cola_ud(0.3, friction=1.0, radius=0.05, mask=True, temperature=1e-3, key=jax.random.key(0))
   update = lambda: str(jax.make_jaxpr(tx.update)(params, tx.init(params), params))
   with kernel_lowering(True):
     first, second = _noise.normal_pair(key, (16, 8), jnp.float32)

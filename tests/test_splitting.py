@@ -8,6 +8,10 @@ import pytest
 
 import cola_jax as cola
 
+# The presets' default choice of leaves is used on purpose here (the layers' kernels, biases free); that choice
+# and the warning naming it are tested in test_validation.
+pytestmark = pytest.mark.filterwarnings("ignore:.*not told which leaves to constrain:UserWarning")
+
 # A quadratic potential V = k/2 (theta - c)^2 on the circle |theta| <= r.
 R, TAU, K, C = 0.5, 0.25, 4.0, 0.25
 

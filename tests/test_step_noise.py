@@ -100,7 +100,7 @@ def test_a_seed_gives_the_same_numbers_however_the_draws_are_grouped(make, const
 def shift_lefts(n_leaves: int) -> int:
   """Shift-left operations (the hash's rotations) in the compiled noisy update of ``n_leaves`` circle leaves."""
   params = {f"w{i}": jnp.full((16, 8), 0.1) for i in range(n_leaves)}
-  tx = cola.c_cola_ud(0.1, friction=1.0, radius=0.5, temperature=1e-4, key=jax.random.key(0))
+  tx = cola.c_cola_ud(0.1, friction=1.0, radius=0.5, mask=True, temperature=1e-4, key=jax.random.key(0))
 
   def step(p, s):
     updates, s = tx.update(jax.tree.map(jnp.ones_like, p), s, p)

@@ -407,18 +407,78 @@ def test_circle_presets_need_radius_or_constraints():
     cola.c_cola_od(0.1, radius=0.1, constraints=cola.Circle(0.1))
 
 
-@pytest.mark.parametrize("owner", ["o_cola_od", "o_cola_ud"])
-def test_the_orthogonal_default_mask_names_every_leaf_it_takes(owner):
-  """The default makes the first and last kernels orthonormal too (the paper keeps them free): it says so."""
-  params = {f"Dense_{i}": {"kernel": jnp.full((3, 3), 0.3), "bias": jnp.zeros(3)} for i in range(3)}
-  taken = ", ".join(f"params['Dense_{i}']['kernel']" for i in range(3))
-  message = re.escape(f"{owner}: the default mask makes every leaf with ndim >= 2 orthonormal")
-  with pytest.warns(UserWarning, match=message):
-    FACTORIES[owner]().init(params)
-  with pytest.warns(UserWarning, match=re.escape(taken)):
-    cola.orthogonal_constraints()(params)
-  hidden = {f"Dense_{i}": {"kernel": i == 1, "bias": False} for i in range(3)}
+DEFAULTS = {  # every entry that picks the leaves it constrains when not told, as FACTORIES builds it
+  **{name: FACTORIES[name] for name in ("c_cola_od", "c_cola_ud", "o_cola_od", "o_cola_ud")},
+  "hyperspherical_descent": lambda **kw: cola.hyperspherical_descent(0.1, **kw),
+  "manifold_muon": lambda **kw: cola.manifold_muon(0.1, **kw),
+}
+SPELLED = {  # each entry's constraint, as its warning writes it
+  "c_cola_od": "cola.Circle(0.1)",
+  "c_cola_ud": "cola.Circle(0.1)",
+  "o_cola_od": "cola.Orthogonal()",
+  "o_cola_ud": "cola.Orthogonal()",
+  "hyperspherical_descent": 'cola.UnitNorm(axis="all")',
+  "manifold_muon": "cola.Orthogonal()",
+}
+
+
+def _small_transformer():
+  """The leaves of a transformer: an embedding table, a 2-D attention bias, a norm's scale, kernels."""
+  return {
+    "embed": {"embedding": jnp.full((6, 4), 0.5)},
+    "attention": {"kernel": jnp.eye(4), "bias": jnp.full((2, 2), 0.5)},
+    "norm": {"scale": jnp.full(4, 0.5)},
+    "head": {"kernel": jnp.eye(4), "bias": jnp.full(4, 0.5)},
+  }
+
+
+@pytest.mark.parametrize("owner", DEFAULTS)
+def test_every_default_takes_the_weight_matrices_and_names_them(owner):
+  """One rule: leaves of ndim >= 2 but biases, scales and embedding tables; a warning lists them and the fix.
+
+  Before, the c-CoLA default took the embedding table and the 2-D bias (and clipped them to the radius) without
+  a word, and hyperspherical descent and manifold Muon put every leaf on their manifolds.
+  """
+  params = _small_transformer()
+  fix = f"constraints=cola.path_constraints([(r'attention/kernel$', {SPELLED[owner]})])"
+  with pytest.warns(UserWarning, match=f"^{owner}: not told which leaves to constrain") as caught:
+    tx = DEFAULTS[owner]()
+    state = tx.init(params)
+    updates, state = tx.update(jax.tree.map(jnp.zeros_like, params), state, params)
+  message = str(caught[0].message)
+  assert "it constrains these 2: attention/kernel, head/kernel." in message and fix in message
+  new = optax.apply_updates(params, updates)
+  residuals = cola.constraint_residuals(new, state)
+  assert float(residuals["attention"]["kernel"]) < 1e-5 and float(residuals["head"]["kernel"]) < 1e-5
+  for layer, name in [("embed", "embedding"), ("attention", "bias"), ("norm", "scale"), ("head", "bias")]:
+    assert residuals[layer][name] is None, (layer, name)
+    np.testing.assert_array_equal(new[layer][name], params[layer][name])  # free, with a zero gradient: still
+
+
+@pytest.mark.parametrize("owner", DEFAULTS)
+def test_a_default_is_quiet_when_told_or_when_there_is_one_matrix(owner):
+  """A mask, a radius per layer, optax.partition's labels (which route 2-D leaves whatever their names), one
+  matrix, one array."""
+  params = _small_transformer()
   with warnings.catch_warnings():
-    warnings.simplefilter("error")  # a mask given: no warning
-    FACTORIES[owner](mask=hidden).init(params)
-    FACTORIES[owner]().init({"kernel": jnp.eye(3)})  # one kernel: nothing else it could have meant
+    warnings.simplefilter("error")
+    if owner.startswith(("c_", "o_")):
+      DEFAULTS[owner](mask=jax.tree.map(lambda x: x.shape == (4, 4), params)).init(params)
+    if owner.startswith("c_"):  # a radius per layer names the layers; the rule frees their biases quietly
+      DEFAULTS[owner](radius={"embed": None, "attention": 0.1, "norm": None, "head": 0.1}).init(params)
+    labels = jax.tree.map(lambda x: "matrices" if x.ndim == 2 else "rest", params)
+    tx = optax.partition({"matrices": DEFAULTS[owner](), "rest": optax.adam(1e-3)}, labels)
+    state = tx.init(params)
+    DEFAULTS[owner]().init({"kernel": jnp.eye(3), "bias": jnp.zeros(3)})  # one matrix: nothing else it could mean
+    DEFAULTS[owner]().init(jnp.eye(3))  # parameters that are one array: that array
+  updates, state = tx.update(jax.tree.map(jnp.zeros_like, params), state, params)
+  residuals = cola.constraint_residuals(optax.apply_updates(params, updates), state)
+  assert residuals["embed"]["embedding"] is not None and residuals["attention"]["bias"] is not None  # as labelled
+  assert residuals["norm"]["scale"] is None
+
+
+@pytest.mark.parametrize("owner", DEFAULTS)
+def test_a_default_that_takes_nothing_is_an_error_showing_the_fix(owner):
+  fix = re.escape(f"constraints=cola.path_constraints([(r'layer/bias$', {SPELLED[owner]})])")
+  with pytest.raises(ValueError, match=f"^{owner}: not told which leaves .* have none: layer/bias. .*{fix}"):
+    DEFAULTS[owner]().init({"layer": {"bias": jnp.zeros((2, 3))}})

@@ -58,8 +58,9 @@ UNIT_IMPLICIT = cola.Implicit(equality=_unit_sum_zero_norm_one, axis=0)
 
 def _methods(temperature, key):
   """name -> (transform factory of the loop form, the form's context)."""
-  orthogonal_od = lambda loop: cola.o_cola_od(0.1, temperature=temperature, key=key, loop=loop)
-  orthogonal_ud = lambda loop: cola.o_cola_ud(0.3, friction=1.0, temperature=temperature, key=key, loop=loop)
+  every = {"mask": True, "temperature": temperature, "key": key}  # every leaf is a layer's matrix
+  orthogonal_od = lambda loop: cola.o_cola_od(0.1, loop=loop, **every)
+  orthogonal_ud = lambda loop: cola.o_cola_ud(0.3, friction=1.0, loop=loop, **every)
 
   def implicit_od(loop):
     constraint = cola.Implicit(equality=_unit_sum_zero_norm_one, axis=0, loop=loop)
@@ -92,7 +93,7 @@ def _loss(params, x, y):
 
 def _on_manifold(method, params):
   if method.startswith("o_cola"):
-    return cola.project_params(params, cola.orthogonal_constraints()(params))
+    return cola.project_params(params, cola.orthogonal_constraints(mask=True))
   return cola.project_params(params, jax.tree.map(lambda x: UNIT_IMPLICIT if x.ndim == 2 else None, params))
 
 

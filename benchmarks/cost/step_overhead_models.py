@@ -141,14 +141,15 @@ def make_pair(method: str, model: Model, args, temperature: float):
       f"sgd({lr:.4g}, momentum={mom:.4g})",
       {"h": h, "friction": gamma, "radius": model.radius},
     )
+  kernels = {layer: {"kernel": True, "bias": False} for layer in model.radius}
   if method == "o_cola_od":
     h = args.h_o_od
-    return (cola.o_cola_od(h, **noise), optax.sgd(h), f"sgd({h})", {"h": h})
+    return (cola.o_cola_od(h, mask=kernels, **noise), optax.sgd(h), f"sgd({h})", {"h": h})
   if method == "o_cola_ud":
     h, gamma = args.h_o_ud, args.friction
     lr, mom = cola.langevin_to_sgd_momentum(h, gamma)
     return (
-      cola.o_cola_ud(h, friction=gamma, **noise),
+      cola.o_cola_ud(h, friction=gamma, mask=kernels, **noise),
       optax.sgd(lr, momentum=mom),
       f"sgd({lr:.4g}, momentum={mom:.4g})",
       {"h": h, "friction": gamma},

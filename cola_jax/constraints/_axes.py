@@ -1,14 +1,23 @@
-"""Axis arguments of the constraints: normalisation, validation and the batched views.
+"""Axis arguments of the constraints: normalisation, validation, the batched views, and the ambiguous default.
 
 A constraint that acts on parts of a leaf (one unit, one matrix) names the
 axes of a part; the other axes index the parts. The parts are brought to the
 front as one leading axis of size ``prod(other sizes)`` (the parts in the
 row-major order of the other axes) so that the geometry of one part can be
 ``jax.vmap``-ed over them.
+
+Without axes, a matrix constraint reads a leaf as a kernel whose last axis
+indexes the outputs and whose other axes the inputs: right for Dense and conv
+kernels, wrong for a multi-head attention kernel or a stack of layers, which
+have three axes too. :func:`warn_if_ambiguous` says so where the leaf's path
+is known.
 """
 
 import math
 import operator
+import re
+import warnings
+from collections.abc import Callable
 
 
 def normalize(owner: str, name: str, value) -> tuple[int, ...] | None:
@@ -76,3 +85,55 @@ def from_parts(parts, shape: tuple[int, ...], batch: tuple[int, ...], part: tupl
   moved = parts.reshape(tuple(shape[a] for a in order))
   inverse = sorted(range(len(order)), key=order.__getitem__)
   return moved.transpose(inverse)
+
+
+_KEY = re.compile(r"\['(?P<key>[^']*)'\]|\.(?P<attribute>\w+)")
+_IN_PROJECTIONS = ("query", "key", "value")
+
+
+def _names(path: str) -> list[str]:
+  """The dict keys and attribute names of a path as ``jax.tree_util.keystr`` writes it (an nnx Variable's last
+  ``.value`` dropped): ``"['attn']['query']['kernel']"`` gives ``['attn', 'query', 'kernel']``."""
+  parts = [(m["key"], m["attribute"]) for m in _KEY.finditer(path)]
+  if parts and parts[-1][1] == "value":
+    parts.pop()
+  return [key if key is not None else attribute for key, attribute in parts]
+
+
+def warn_if_ambiguous(what: str, shape: tuple[int, ...], path: str, spell: Callable[[str, str], str]) -> None:
+  """Warns, naming the leaf, when a 3-D leaf meets a constraint's default view (inputs first, outputs last).
+
+  Flax's attention kernels are recognised by their paths (``query``,
+  ``key``, ``value``: ``(features, heads, head_dim)``; ``out``:
+  ``(heads, head_dim, features)``) and the warning spells their per-head and
+  per-layer axes; a leaf whose path mentions ``conv`` (``Conv_0``,
+  ``conv1``) is a 1-D conv kernel ``(width, in, out)``, the default's own
+  reading, and passes quietly.
+  ``spell(inputs, outputs)`` writes the constraint with those axes.
+  """
+  if len(shape) != 3:
+    return
+  names = _names(path)
+  layer = names[-2] if len(names) >= 2 and names[-1] == "kernel" else None
+  where = f"{what} on the leaf at {path}, of shape {shape}"
+  if layer in _IN_PROJECTIONS:
+    message = (
+      f"{where}: a Flax attention kernel (features, heads, head_dim), which the default views as one "
+      f"({shape[0] * shape[1]}, {shape[2]}) matrix, features and heads together: neither per head nor per layer. "
+      f"Per head: {spell('0', '2')}; per layer: {spell('0', '(1, 2)')}."
+    )
+  elif layer == "out":
+    message = (
+      f"{where}: a Flax attention output kernel (heads, head_dim, features), which the default views as one "
+      f"({shape[0] * shape[1]}, {shape[2]}) matrix, the layer's. Per head: {spell('1', '2')}; per layer, "
+      f"silencing this: {spell('(0, 1)', '2')}."
+    )
+  elif any("conv" in name.lower() for name in names):
+    return
+  else:
+    message = (
+      f"{where}: viewed as one ({shape[0] * shape[1]}, {shape[2]}) matrix, as a 1-D conv kernel (width, in, out). "
+      "A multi-head kernel or a stack of layers is not that matrix: name its axes, e.g. one matrix per index of "
+      f"axis 0: {spell('1', '2')}; {spell('(0, 1)', '2')} keeps this view and silences this."
+    )
+  warnings.warn(message, UserWarning, stacklevel=3)

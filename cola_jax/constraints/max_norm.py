@@ -84,6 +84,7 @@ from cola_jax._numerics import (
   power_of_two_scale,
   with_sincos,
 )
+from cola_jax.constraints import _axes
 from cola_jax.constraints.base import Constraint
 from cola_jax.constraints.circle import start_slack
 
@@ -184,7 +185,10 @@ class MaxNorm(Constraint):
       column and a conv kernel ``(kh, kw, in, out)`` one per output filter.
       For a 1-d leaf the default reduces nothing (every entry its own unit:
       the circle); pass ``axis=0`` or ``"all"`` to bound the norm of the whole
-      vector.
+      vector. A 3-D leaf whose path does not say conv (a Flax
+      attention kernel, a stack of layers) meets the default with a warning
+      naming it and the axes to give (docs/guides/declared_constraints.md,
+      "Attention").
 
   The slack starts at ``xi_j = +sqrt(r^2 - |w_j|^2)``, except that a unit
   that starts beyond the ball, on its boundary or within 1 % of it starts at
@@ -235,6 +239,10 @@ class MaxNorm(Constraint):
 
   def validate(self, param, path):
     _check_axis("MaxNorm", self.axis, param, path)
+    if self.axis is None:
+      _axes.warn_if_ambiguous(
+        "MaxNorm constraint", param.shape, path, lambda inputs, _: f"MaxNorm({self.radius!r}, axis={inputs})"
+      )
 
   def _dot(self, a, b):
     """Per-unit inner product, reduced axes kept with size 1."""

@@ -289,6 +289,10 @@ class Orthogonal(Constraint):
       ``nn.Conv2d`` semantics are ``row_axes=0, column_axes=1``). ``None``
       (both, the default): the rows are every axis but the last, the columns
       the last.
+      A 3-D leaf whose path does not say conv (a Flax
+      attention kernel, a stack of layers) meets the default with a warning
+      naming it and the axes to give (docs/guides/declared_constraints.md,
+      "Attention").
     column_axes: the axes that index the columns, as ``row_axes``.
     loop: ``"while"`` (the default) stops each loop as soon as its test is
       met and runs the SVD of a fallback only when one is needed.
@@ -388,6 +392,9 @@ class Orthogonal(Constraint):
         row_axes=self.row_axes,
         column_axes=self.column_axes,
       )
+    else:
+      spell = lambda rows, columns: f"Orthogonal(row_axes={rows}, column_axes={columns})"
+      _axes.warn_if_ambiguous("Orthogonal constraint", param.shape, path, spell)
 
   # The view: the leaf as the tall matrix Q, or a stack of them.
 

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 
 from cola_jax import _noise
 from cola_jax._numerics import concrete_float, explicit_sharding, inverse_sqrt, max_abs, power_of_two_scale
+from cola_jax.constraints import _axes
 from cola_jax.constraints.base import Constraint
 from cola_jax.constraints.max_norm import Axis, MaxNorm, _check_axis, _normalize_axis
 
@@ -98,7 +99,10 @@ class UnitNorm(Constraint):
       (``|W|_F = r`` for a matrix). ``None`` (default): every axis but the
       last, so a Dense kernel ``(in, out)`` has one unit per column and a conv
       kernel ``(kh, kw, in, out)`` one per output filter. Keras'
-      ``UnitNorm(axis=0)`` on a Dense kernel is the default here.
+      ``UnitNorm(axis=0)`` on a Dense kernel is the default here. A 3-D leaf whose path does not say conv (a Flax
+      attention kernel, a stack of layers) meets the default with a warning
+      naming it and the axes to give (docs/guides/declared_constraints.md,
+      "Attention").
 
   A unit needs at least two entries (with one, ``|w| = r`` leaves only
   ``+-r``): a leaf whose units have fewer is a ValueError naming it (for a
@@ -146,6 +150,10 @@ class UnitNorm(Constraint):
 
   def validate(self, param, path):
     _check_axis("UnitNorm", self.axis, param, path)
+    if self.axis is None:
+      _axes.warn_if_ambiguous(
+        "UnitNorm constraint", param.shape, path, lambda inputs, _: f"UnitNorm({self.radius!r}, axis={inputs})"
+      )
     axes = self._sphere._axes(param.ndim)
     n = math.prod(param.shape[a] for a in axes)
     if n < 2 and param.size > 0:

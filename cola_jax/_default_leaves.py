@@ -1,0 +1,82 @@
+"""The leaves an entry constrains when it is not told which: one rule for every entry.
+
+``c_cola_*`` and ``o_cola_*`` without ``mask=`` or ``constraints=``, and
+``hyperspherical_descent`` and ``manifold_muon`` without ``constraints=``,
+constrain the weight matrices: every leaf with ``ndim >= 2`` except biases,
+scales and embedding tables, told apart by their paths (Flax linen and nnx name
+them ``kernel``, ``bias``, ``scale``, ``embedding``; Equinox ``weight`` and
+``bias``, inside a layer its user names, such as ``embed``). Parameters that
+are one array are that array. The choice is said where it is made: more than
+one leaf taken is a ``UserWarning`` naming them, none an error. Within
+``optax.masked`` or ``optax.partition`` the labels chose already: every leaf
+routed there with ``ndim >= 2`` is taken, names aside, and nothing is said.
+"""
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from cola_jax.declared import is_box
+from cola_jax.path_rules import _path_name
+
+_FREE_LEAF = re.compile("bias|scale|embed", re.IGNORECASE)  # the name of a bias, a norm's scale, a table
+_FREE_LAYER = re.compile("embed", re.IGNORECASE)  # an embedding layer, whatever it calls its table
+
+
+def _is_matrix(leaf) -> bool:
+  arrays = jax.tree.leaves(leaf)  # a Flax box or Variable holds its array
+  return len(arrays) == 1 and jnp.ndim(arrays[0]) >= 2
+
+
+def _is_weight_matrix(name: str, leaf) -> bool:
+  if not name:  # the parameters are this one array
+    return True
+  *layer, last = name.split("/")
+  return _is_matrix(leaf) and not _FREE_LEAF.search(last) and not (layer and _FREE_LAYER.search(layer[-1]))
+
+
+def _within_masked(params) -> bool:
+  """Whether ``params`` is the group that ``optax.masked`` or ``optax.partition`` chose: the user's choice already."""
+  is_masked = lambda x: isinstance(x, optax.MaskedNode)
+  return any(is_masked(x) for x in jax.tree.leaves(params, is_leaf=is_masked))
+
+
+def weight_matrices(owner: str, params, constraint: str | None, instead: str):
+  """The rule's choice of leaves of ``params``: a pytree of bools (Flax boxes and Variables as leaves).
+
+  Warns naming the leaves taken when there are more than one, raises when
+  there is none. ``constraint`` spells the entry's constraint and ``instead``
+  the arguments that choose the leaves, for the messages' one-line fix;
+  ``constraint=None``: the user named the leaves otherwise (a radius per
+  leaf), and nothing is said.
+  """
+  paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_box)
+  if _within_masked(params):
+    return treedef.unflatten([_is_matrix(leaf) for _, leaf in paths_and_leaves])
+  names = [_path_name(path) for path, _ in paths_and_leaves]
+  chosen = [_is_weight_matrix(name, leaf) for name, (_, leaf) in zip(names, paths_and_leaves)]
+  taken = [name for name, take in zip(names, chosen) if take]
+  if constraint is not None and names and len(taken) != 1:
+    example = taken[0] if taken else names[0]
+    fix = (
+      f"e.g. to constrain {example} alone: constraints=cola.path_constraints([(r'{re.escape(example)}$', "
+      f"{constraint})])"
+    )
+    if not taken:
+      raise ValueError(
+        f"{owner}: not told which leaves to constrain (no {instead}), it takes the weight matrices (every leaf "
+        f"with ndim >= 2 but biases, scales and embedding tables), and these parameters have none: "
+        f"{', '.join(names)}. Say which leaves to constrain, {fix}."
+      )
+    warnings.warn(
+      f"{owner}: not told which leaves to constrain (no {instead}), it constrains these {len(taken)}: "
+      f"{', '.join(taken)}. That is the default for every entry: the weight matrices, every leaf with ndim >= 2 but "
+      "biases, scales and embedding tables, the first and last layers included. Say which leaves to constrain, "
+      f"{fix}; any {instead} given silences this warning.",
+      UserWarning,
+      stacklevel=2,
+    )
+  return treedef.unflatten(chosen)
