@@ -11,7 +11,6 @@ rule of every entry, in docs/choosing.md); ``mask`` chooses otherwise, as in
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any
 
