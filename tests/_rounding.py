@@ -39,3 +39,8 @@ def unit_tangent(n: int, dtype=np.float32) -> float:
   difference by ``2 u``; ``|a|`` as a renormalisation, ``(n / 2 + 5) u``.
   """
   return (3 * n / 2 + 7) * unit_roundoff(dtype)
+
+
+def roundings(k: float, dtype=np.float32) -> float:
+  """``k u``: the relative error of ``k`` correctly rounded operations in a row (first order)."""
+  return k * unit_roundoff(dtype)

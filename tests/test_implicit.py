@@ -40,6 +40,7 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+import _rounding as rounding
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -498,9 +499,12 @@ def test_newton_converges_far_below_the_start_in_float32():
   expected = r * centred / np.linalg.norm(centred, axis=0)
   points = jax.jit(jax.vmap(lambda x: whole_leaf.point(x, whole_leaf.init(x)), in_axes=1))(columns)
   assert bool(jnp.all(points.converged))
-  np.testing.assert_allclose(points.x.T, expected, rtol=0, atol=2e-8)
+  # Newton stops at the rounding of g: the column's sum and squared norm, n = 784 terms summed in float32 in an
+  # order that depends on the CPU (n u of the largest entry, as a renormalisation).
+  bound = rounding.renormalised(784) * np.max(np.abs(expected))
+  np.testing.assert_allclose(points.x.T, expected, rtol=0, atol=bound)
   projected = cola.project_params(columns, per_unit)
-  np.testing.assert_allclose(projected, expected, rtol=0, atol=2e-8)
+  np.testing.assert_allclose(projected, expected, rtol=0, atol=bound)
   anchor = per_unit.point(projected, per_unit.init(projected))
   back = jax.jit(per_unit.project)(anchor, (columns - projected).ravel())
   assert bool(jnp.all(back.converged)) and float(per_unit.init(back.x).residual(back.x)) <= per_unit.tolerance

@@ -7,6 +7,7 @@ bfloat16 between steps; the slacks stay in float32. See
 ``docs/guides/mixed_precision.md``.
 """
 
+import _rounding as rounding
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -157,7 +158,10 @@ def test_bfloat16_momenta_cost_less_than_bfloat16_parameters(family):
   # With float32 parameters, bfloat16 momenta change the trajectory but not how
   # closely the constraint holds: to float32 rounding.
   residual = max(float(r) for r in jax.tree.leaves(cola.constraint_residuals(*train(params, constraint, jnp.bfloat16))))
-  assert residual <= 8 * float(jnp.finfo(jnp.float32).eps), residual
+  # A circle's residual is a few roundings; a column of IN entries is renormalised (its squared norm: twice that)
+  # and the residual sums IN products in float32, in an order that depends on the CPU.
+  bound = rounding.roundings(16) if family == "Circle" else 2 * rounding.renormalised(IN) + rounding.roundings(IN)
+  assert residual <= bound, residual
 
 
 @pytest.mark.parametrize("bad", [jnp.int32, "float33", 3.0])
