@@ -191,8 +191,11 @@ class _Free:
     return layout.unflatten([x if t else optax.MaskedNode() for x, t in zip(layout.flatten(tree, what), taken)])
 
   def init(self, params, layout: LeafLayout | None):
-    """``free``'s state for these parameters; ``layout`` None for ``optax.tree.map_params``'s stand-in (unmasked,
-    as ``optax.masked`` passes it)."""
+    """``free``'s state for these parameters (None without ``free``).
+
+    ``layout`` is None for ``optax.tree.map_params``'s stand-in, which
+    ``free`` gets unmasked, as ``optax.masked`` passes it on.
+    """
     if self.tx is None:
       return None
     return self.tx.init(params if layout is None else self._masked(layout, params, "params"))
