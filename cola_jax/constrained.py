@@ -100,7 +100,9 @@ def constrained(
   .. math::
     q_{n+1} = R_{q_n}\big(\Pi_{q_n}\, \mathrm{inner}(\Pi_{q_n} \nabla V(q_n))\big).
 
-  Unconstrained leaves (``None``) get exactly ``inner``'s update.
+  Unconstrained leaves (``None``) get exactly ``inner``'s update, as
+  ``inner`` alone would give it: ``inner`` is their optimizer too (there is no
+  ``free=`` here; ``optax.partition`` gives them another).
 
   What ``inner`` sees of a constrained leaf: its tangent vectors in the
   coordinates the constraint stores momenta in (those of ``cola_ud``), shaped
