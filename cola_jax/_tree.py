@@ -127,6 +127,11 @@ class LeafLayout:
   def unflatten(self, leaves: list):
     return self.treedef.unflatten(leaves)
 
+  @property
+  def free(self) -> list[bool]:
+    """Per leaf: whether it is unconstrained (no constraint, or no entries)."""
+    return [isinstance(c, Euclidean) for c in self.constraints]
+
   def _array(self, leaf, what: str, path: str) -> jax.Array:
     """The leaf as an array (Python and NumPy scalars become arrays, as in optax)."""
     if leaf is None:
@@ -155,14 +160,21 @@ class LeafLayout:
       leaves.append(g.astype(p.dtype))
     return leaves
 
-  def updates(self, new_params: list):
-    """``new - old`` for every leaf, in the parameter's own dtype."""
+  def updates(self, new_params: list, given: list | None = None):
+    """``new - old`` for every leaf, in the parameter's own dtype; ``given``'s update as it is where ``new`` is None."""
+    given = given or [None] * len(new_params)
     return self.unflatten(
-      [(new - old).astype(param.dtype) for new, old, param in zip(new_params, self.compute, self.params)]
+      [
+        update if new is None else (new - old).astype(param.dtype)
+        for new, update, old, param in zip(new_params, given, self.compute, self.params)
+      ]
     )
 
   def check_state(self, auxes: list, momenta: list | None = None) -> None:
-    """Raises if the optimizer state does not fit the parameters and their constraints."""
+    """Raises if the optimizer state does not fit the parameters and their constraints.
+
+    ``momenta``: each leaf's stored momentum, None for a leaf that has none (one that ``free=`` moves).
+    """
     for i, (path, p, constraint, aux) in enumerate(zip(self.paths, self.compute, self.constraints, auxes)):
       leaf = jax.ShapeDtypeStruct(p.shape, p.dtype)
       expected = jax.eval_shape(constraint.init, leaf)
@@ -173,7 +185,7 @@ class LeafLayout:
           "Re-initialise the optimizer when constraints or parameters change."
         )
       stored = list(zip(jax.tree.leaves(aux), jax.tree.leaves(expected)))
-      if momenta is not None:
+      if momenta is not None and momenta[i] is not None:
         stored.append((momenta[i], jax.eval_shape(constraint.zero_momentum, leaf)))
       for got, want in stored:
         if jnp.shape(got) != want.shape:

@@ -5,7 +5,8 @@ constraints); ``o_cola_od``, ``o_cola_ud`` keep weight matrices and kernels
 orthonormal. By default the weight matrices are constrained (every leaf with
 ``ndim >= 2`` but biases, scales and embedding tables, named in a warning: the
 rule of every entry, in docs/choosing.md); ``mask`` chooses otherwise, as in
-``optax.masked``.
+``optax.masked``. The free leaves take the method's SGD (with momentum for
+``_ud``) step, or the optax transformation given as ``free=``.
 """
 
 from __future__ import annotations
@@ -182,13 +183,15 @@ def c_cola_od(
   constraints: ConstraintSpec = None,
   temperature: optax.ScalarOrSchedule = 0.0,
   key: jax.Array | None = None,
+  free: optax.GradientTransformation | None = None,
 ) -> optax.GradientTransformation:
   """c-CoLA-od: overdamped Langevin with ``|theta| <= radius`` per weight.
 
   In optax's terms: at temperature 0, on free leaves, this is
   ``optax.sgd(learning_rate)``; ``learning_rate`` is SGD's learning rate.
-  Parameters off their manifold are put on it by the first update (call
-  :func:`~cola_jax.project_params` to start there).
+  ``free=optax.adam(1e-3)`` (any optax transformation) moves the free leaves
+  instead. Parameters off their manifold are put on it by the first update
+  (call :func:`~cola_jax.project_params` to start there).
 
   Args:
     learning_rate: the step size ``h > 0`` (SGD's learning rate), a number or
@@ -207,6 +210,11 @@ def c_cola_od(
       dynamics stay those of its name.
     temperature: ``tau >= 0``, a number or an optax schedule.
     key: a JAX PRNG key, required unless ``temperature`` is exactly 0.
+    free: an optax ``GradientTransformation`` for the unconstrained leaves
+      (``optax.adam(1e-3)``), or ``None`` (default): SGD, as above. They then
+      move exactly as ``optax.partition`` would move them with it, without
+      noise, and the constrained leaves as without it; see
+      :func:`cola_jax.cola_od`.
 
   Returns:
     An ``optax.GradientTransformation``, :func:`cola_jax.cola_od` with :class:`cola_jax.Circle` constraints.
@@ -226,12 +234,7 @@ def c_cola_od(
   """
   with called_as("c_cola_od"):
     constraints = _circle_chosen("c_cola_od", constraints, radius, mask)
-    return cola_od(
-      learning_rate,
-      constraints=constraints,
-      temperature=temperature,
-      key=key,
-    )
+    return cola_od(learning_rate, constraints=constraints, temperature=temperature, key=key, free=free)
 
 
 def c_cola_ud(
@@ -246,6 +249,7 @@ def c_cola_ud(
   key: jax.Array | None = None,
   splitting: str = "OBA",
   momentum_dtype: Any = None,
+  free: optax.GradientTransformation | None = None,
 ) -> optax.GradientTransformation:
   """c-CoLA-ud: underdamped Langevin (OBA) with ``|theta| <= radius`` per weight.
 
@@ -254,8 +258,9 @@ def c_cola_ud(
   instead the arguments are the Langevin ones (the paper's): ``learning_rate``
   is the step ``h`` (SGD's learning rate is ``h**2``) and ``friction`` the rate
   ``gamma`` (SGD's momentum is ``exp(-gamma h)``), so ``c_cola_ud(1e-3,
-  friction=0.9)`` is *not* SGD-m with momentum 0.9. Parameters off their
-  manifold are put on it by the first update (call
+  friction=0.9)`` is *not* SGD-m with momentum 0.9. ``free=optax.adam(1e-3)``
+  (any optax transformation) moves the free leaves instead. Parameters off
+  their manifold are put on it by the first update (call
   :func:`~cola_jax.project_params` to start there).
 
   The paper's Fashion-MNIST setting is ``c_cola_ud(0.3, friction=1.0,
@@ -286,6 +291,11 @@ def c_cola_ud(
     key: a JAX PRNG key, required unless ``temperature`` is exactly 0.
     splitting: ``"OBA"`` (the paper's) or ``"BAOAB"``; see :func:`cola_jax.cola_ud`.
     momentum_dtype: the momenta's stored dtype; see :func:`cola_jax.cola_ud`.
+    free: an optax ``GradientTransformation`` for the unconstrained leaves
+      (``optax.adam(1e-3)``), or ``None`` (default): SGD with momentum, as
+      above. They then move exactly as ``optax.partition`` would move them
+      with it, without noise, and the constrained leaves as without it; see
+      :func:`cola_jax.cola_ud`.
 
   Returns:
     An ``optax.GradientTransformation``, :func:`cola_jax.cola_ud` with :class:`cola_jax.Circle` constraints.
@@ -303,6 +313,14 @@ def c_cola_ud(
     ...   params = optax.apply_updates(params, updates)
     >>> bool(jnp.abs(params['w']).max() <= 0.1), int(state.count)
     (True, 3)
+
+    With Adam on the free leaves (``b`` here):
+
+    >>> tx = cola.c_cola_ud(0.3, friction=1.0, radius=0.1, free=optax.adam(1e-3))
+    >>> params = {'w': jnp.full((3, 2), 0.05), 'b': jnp.zeros(2)}
+    >>> updates, state = tx.update(grads, tx.init(params), params)
+    >>> optax.apply_updates(params, updates)['b'].round(5)  # Adam's first step: -1e-3 sign(g)
+    Array([-0.001, -0.001], dtype=float32)
   """
   with called_as("c_cola_ud"):
     constraints = _circle_chosen("c_cola_ud", constraints, radius, mask)
@@ -315,6 +333,7 @@ def c_cola_ud(
       key=key,
       splitting=splitting,
       momentum_dtype=momentum_dtype,
+      free=free,
     )
 
 
@@ -329,13 +348,15 @@ def o_cola_od(
   max_iterations: int = 20,
   projection: str = "quasi_newton",
   loop: str = "while",
+  free: optax.GradientTransformation | None = None,
 ) -> optax.GradientTransformation:
   """o-CoLA-od: overdamped Langevin with orthonormal weight matrices and kernels.
 
   In optax's terms: at temperature 0, on free leaves, this is
   ``optax.sgd(learning_rate)``; ``learning_rate`` is SGD's learning rate.
-  Parameters off their manifold are put on it by the first update (call
-  :func:`~cola_jax.project_params` to start there).
+  ``free=optax.adam(1e-3)`` (any optax transformation) moves the free leaves
+  instead. Parameters off their manifold are put on it by the first update
+  (call :func:`~cola_jax.project_params` to start there).
 
   Args:
     learning_rate: the step size ``h > 0`` (SGD's learning rate), a number or
@@ -358,6 +379,11 @@ def o_cola_od(
     projection: the solver of the projection, as for :class:`cola_jax.Orthogonal`.
     loop: ``"while"`` or ``"fixed"`` (no host round trips), as for
       :class:`cola_jax.Orthogonal`.
+    free: an optax ``GradientTransformation`` for the unconstrained leaves
+      (``optax.adam(1e-3)``), or ``None`` (default): SGD, as above. They then
+      move exactly as ``optax.partition`` would move them with it, without
+      noise, and the constrained leaves as without it; see
+      :func:`cola_jax.cola_od`.
 
   Returns:
     An ``optax.GradientTransformation``, :func:`cola_jax.cola_od` with :class:`cola_jax.Orthogonal` constraints.
@@ -381,7 +407,7 @@ def o_cola_od(
       mask=mask, tolerance=tolerance, max_iterations=max_iterations, projection=projection, loop=loop
     )
     constraints = _chosen("o_cola_od", constraints, orthogonal, mask=mask)
-    return cola_od(learning_rate, constraints=constraints, temperature=temperature, key=key)
+    return cola_od(learning_rate, constraints=constraints, temperature=temperature, key=key, free=free)
 
 
 def o_cola_ud(
@@ -399,6 +425,7 @@ def o_cola_ud(
   projection: str = "quasi_newton",
   loop: str = "while",
   momentum_dtype: Any = None,
+  free: optax.GradientTransformation | None = None,
 ) -> optax.GradientTransformation:
   """o-CoLA-ud: underdamped Langevin (OBA, RATTLE A step) with orthonormal weights.
 
@@ -407,8 +434,9 @@ def o_cola_ud(
   instead the arguments are the Langevin ones (the paper's): ``learning_rate``
   is the step ``h`` (SGD's learning rate is ``h**2``) and ``friction`` the rate
   ``gamma`` (SGD's momentum is ``exp(-gamma h)``), so ``o_cola_ud(1e-3,
-  friction=0.9)`` is *not* SGD-m with momentum 0.9. Parameters off their
-  manifold are put on it by the first update (call
+  friction=0.9)`` is *not* SGD-m with momentum 0.9. ``free=optax.adam(1e-3)``
+  (any optax transformation) moves the free leaves instead. Parameters off
+  their manifold are put on it by the first update (call
   :func:`~cola_jax.project_params` to start there).
 
   Args:
@@ -440,6 +468,11 @@ def o_cola_ud(
     loop: ``"while"`` or ``"fixed"`` (no host round trips), as for
       :class:`cola_jax.Orthogonal`.
     momentum_dtype: the momenta's stored dtype; see :func:`cola_jax.cola_ud`.
+    free: an optax ``GradientTransformation`` for the unconstrained leaves
+      (``optax.adam(1e-3)``), or ``None`` (default): SGD with momentum, as
+      above. They then move exactly as ``optax.partition`` would move them
+      with it, without noise, and the constrained leaves as without it; see
+      :func:`cola_jax.cola_ud`.
 
   Returns:
     An ``optax.GradientTransformation``, :func:`cola_jax.cola_ud` with :class:`cola_jax.Orthogonal` constraints.
@@ -473,6 +506,7 @@ def o_cola_ud(
       key=key,
       splitting=splitting,
       momentum_dtype=momentum_dtype,
+      free=free,
     )
 
 

@@ -100,7 +100,9 @@ def constrained(
   .. math::
     q_{n+1} = R_{q_n}\big(\Pi_{q_n}\, \mathrm{inner}(\Pi_{q_n} \nabla V(q_n))\big).
 
-  Unconstrained leaves (``None``) get exactly ``inner``'s update.
+  Unconstrained leaves (``None``) get exactly ``inner``'s update, as
+  ``inner`` alone would give it: ``inner`` is their optimizer too (there is no
+  ``free=`` here; ``optax.partition`` gives them another).
 
   A start off the manifold. Every update re-establishes each leaf's point
   from the parameters it is given, so the first update from a leaf off its

@@ -279,8 +279,10 @@ def manifold_muon(
   (closed form for square matrices, ADMM in ``(p + m) x p`` coordinates for
   tall ones); its iterations and whether it met ``tolerance`` are in
   ``state.direction_info``. Unconstrained leaves (``None``) take
-  ``-eta d``: SGD with the same momentum; route them to another optimizer
-  with ``optax.partition`` if you prefer Adam there, as ``optax.contrib.muon`` does.
+  ``-eta d``, the same momentum without a direction: they move as under
+  ``optax.sgd(eta * (1 - beta), momentum=beta, nesterov=nesterov)``. There is
+  no ``free=`` here: to put them on Adam, as ``optax.contrib.muon`` does,
+  route them there with ``optax.partition``.
 
   Args:
     learning_rate: ``eta``, the spectral norm of each step (a number or an optax schedule).

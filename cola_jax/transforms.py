@@ -11,8 +11,15 @@ A constrained transform must be the last link of an ``optax.chain``: a
 transformation after it would move the parameters off the manifold.
 Transformations before it (gradient clipping, for instance) are fine.
 
+Free leaves: ``free=optax.adam(1e-3)`` (any optax transformation) moves the
+unconstrained leaves exactly as ``optax.partition`` would with that
+optimizer, and the constrained leaves exactly as without it. Without
+``free=``, the free leaves take the method's own step (SGD or SGD with
+momentum, with the Langevin noise at a temperature above 0).
+
 Randomness: the PRNG key lives in the optimizer state, is split once per step,
-and gives one independent key per leaf, so runs are reproducible under ``jit``
+and gives one independent key per leaf (a leaf that ``free=`` moves leaves its
+key unused), so runs are reproducible under ``jit``
 and ``vmap`` and inside Flax's ``TrainState``. Each leaf's noise is drawn
 from its own key and handed to its Langevin map as an argument
 (:mod:`cola_jax._step_noise`), so a seed gives the same numbers on every
@@ -25,6 +32,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from cola_jax import _compiled, _step_noise, langevin
@@ -43,7 +51,7 @@ from cola_jax._tree import (
 
 
 class OverdampedState(NamedTuple):
-  """State of :func:`cola_od`: the step count, the PRNG key and each leaf's constraint state.
+  """State of :func:`cola_od`: the step count, the PRNG key, each leaf's constraint state and ``free``'s state.
 
   Example:
     >>> import jax.numpy as jnp, cola_jax as cola
@@ -51,16 +59,18 @@ class OverdampedState(NamedTuple):
     >>> tx.init(jnp.array([0.3, 0.0]))  # the slack of |w| <= 0.5: sqrt(0.5**2 - w**2)
     OverdampedState(count=Array(0, dtype=int32), key=None,
                     constraint_states=CircleState(slack=Array([0.4, 0.5], dtype=float32),
-                                                  radius=Array(0.5, dtype=float32)))
+                                                  radius=Array(0.5, dtype=float32)),
+                    free_state=None)
   """
 
   count: jax.Array  # pyright: ignore[reportIncompatibleMethodOverride]  (steps taken, int32, as optax names it)
   key: jax.Array | None  # PRNG key, None when no noise is ever drawn
   constraint_states: Any  # per leaf: auxiliary state of its constraint (None if free); not a copy of the parameters
+  free_state: Any  # the state of free= over the free leaves (optax.MaskedNode at the others); None without free=
 
 
 class UnderdampedState(NamedTuple):
-  """State of :func:`cola_ud`: that of :func:`cola_od` and the momenta.
+  """State of :func:`cola_ud`: that of :func:`cola_od` and the momenta (none for the leaves ``free=`` moves).
 
   Example:
     >>> import jax.numpy as jnp, cola_jax as cola
@@ -75,7 +85,9 @@ class UnderdampedState(NamedTuple):
   count: jax.Array  # pyright: ignore[reportIncompatibleMethodOverride]  (steps taken, int32, as optax names it)
   key: jax.Array | None  # PRNG key, None when no noise is ever drawn
   constraint_states: Any  # per leaf: auxiliary state of its constraint (None if free); not a copy of the parameters
-  momentum: Any  # per leaf, in the stored form of its constraint: shaped like the leaf (flat for Implicit)
+  momentum: Any  # per leaf, in the stored form of its constraint: shaped like the leaf (flat for Implicit);
+  # optax.MaskedNode at the leaves that free= moves
+  free_state: Any  # the state of free= over the free leaves (optax.MaskedNode at the others); None without free=
 
 
 _SPLITTINGS = ("OBA", "BAOAB")
@@ -134,20 +146,76 @@ def _step_keys(key, noisy: bool, n_leaves: int):
   return key, jax.random.split(step_key, n_leaves)  # one array: a group's keys are one gather, not a slice per leaf
 
 
-def _noise(dynamics: str, layout: LeafLayout, auxes: list, keys: jax.Array | None, grads: list) -> list:
-  """Each leaf's numbers for this step (:func:`cola_jax.langevin.draw_noise`), None where it draws none."""
-  if keys is None:
-    return [None] * len(layout.params)
-  points = [jax.eval_shape(c.point, p, a) for c, p, a in zip(layout.constraints, layout.compute, auxes)]
+def _noise(dynamics: str, layout: LeafLayout, auxes: list, keys: jax.Array | None, grads: list, taken: list) -> list:
+  """Each leaf's numbers for this step (:func:`cola_jax.langevin.draw_noise`), None where it draws none.
+
+  A leaf that ``free=`` takes draws none; the others draw from their own keys
+  (``keys[i]`` for leaf ``i``), with or without ``free=``.
+  """
+  noises = [None] * len(layout.params)
+  drawn = [i for i, t in enumerate(taken) if not t]
+  if keys is None or not drawn:
+    return noises
+  if len(drawn) < len(noises):
+    keys = keys[np.asarray(drawn)]
+  constraints, grads = [layout.constraints[i] for i in drawn], [grads[i] for i in drawn]
+  points = [jax.eval_shape(layout.constraints[i].point, layout.compute[i], auxes[i]) for i in drawn]
   draw = lambda c, key, point: langevin.draw_noise(c, key, point, dynamics)
-  return _step_noise.draw_leaves(draw, layout.constraints, points, keys, grads)
+  for i, noise in zip(drawn, _step_noise.draw_leaves(draw, constraints, points, keys, grads)):
+    noises[i] = noise
+  return noises
 
 
-def _map_leaves(n_outputs, leaf_step, constraints, params, *columns) -> tuple[list, ...]:
-  """``leaf_step(constraint, param, *column_entries)`` for every leaf, transposed.
+class _Free:
+  """``free=``: the optax transformation of the unconstrained leaves, or None (the CoLA step moves them too).
 
-  ``leaf_step`` returns ``n_outputs`` values; with no leaves the result is
-  ``n_outputs`` empty lists.
+  It gets its leaves as ``optax.partition`` would give them: the gradients and
+  parameters as they are, ``optax.MaskedNode`` at every other leaf, and the
+  extra arguments of ``update``.
+  """
+
+  def __init__(self, owner: str, free: optax.GradientTransformation | None):
+    if free is not None and not isinstance(free, optax.GradientTransformation):
+      raise TypeError(
+        f"{owner}: free must be an optax.GradientTransformation for the unconstrained leaves, such as "
+        f"free=optax.adam(1e-3), or None (the method's own dynamics); got {type(free).__name__}."
+      )
+    self.tx = None if free is None else optax.with_extra_args_support(free)
+
+  def taken(self, layout: LeafLayout) -> list[bool]:
+    """Per leaf: whether ``free`` moves it (every unconstrained leaf when given, none otherwise)."""
+    return [self.tx is not None and f for f in layout.free]
+
+  def _masked(self, layout: LeafLayout, tree, what: str):
+    taken = self.taken(layout)
+    return layout.unflatten([x if t else optax.MaskedNode() for x, t in zip(layout.flatten(tree, what), taken)])
+
+  def init(self, params, layout: LeafLayout | None):
+    """``free``'s state for these parameters (None without ``free``).
+
+    ``layout`` is None for ``optax.tree.map_params``'s stand-in, which
+    ``free`` gets unmasked, as ``optax.masked`` passes it on.
+    """
+    if self.tx is None:
+      return None
+    return self.tx.init(params if layout is None else self._masked(layout, params, "params"))
+
+  def update(self, layout: LeafLayout, grads, state, params, extra_args: dict) -> tuple[list, Any]:
+    """``free``'s update of each leaf it takes (None at the others) and its next state."""
+    if self.tx is None:
+      return [None] * len(layout.params), state
+    updates, state = self.tx.update(
+      self._masked(layout, grads, "grads"), state, self._masked(layout, params, "params"), **extra_args
+    )
+    taken = self.taken(layout)
+    return [u if t else None for u, t in zip(layout.flatten(updates, "free's updates"), taken)], state
+
+
+def _map_leaves(n_outputs, leaf_step, taken, fill, constraints, params, *columns) -> tuple[list, ...]:
+  """``leaf_step(constraint, param, *column_entries)`` for every leaf that ``free=`` has not ``taken``, transposed.
+
+  ``leaf_step`` returns ``n_outputs`` values; a taken leaf gets ``fill`` (a
+  tuple of as many). With no leaves the result is ``n_outputs`` empty lists.
 
   On accelerators, leaves that share a constraint whose ``stack_same_shape``
   is set, a shape and a dtype (and carry no explicit sharding) are stacked
@@ -158,13 +226,15 @@ def _map_leaves(n_outputs, leaf_step, constraints, params, *columns) -> tuple[li
   """
   stacking = _stacking_pays()
   groups = {}
+  outputs: list[Any] = [fill if t else None for t in taken]
   for i, (c, param) in enumerate(zip(constraints, params)):
+    if taken[i]:
+      continue
     together = stacking and c.stack_same_shape and explicit_sharding(param) is None
     group = (hashable(c), param.shape, param.dtype) if together else i
     groups.setdefault(group, []).append(i)
 
   columns = (params, *columns)
-  outputs: list[Any] = [None] * len(params)
   for members in groups.values():
     c = constraints[members[0]]
     step = lambda *args: leaf_step(c, *args)
@@ -214,13 +284,15 @@ def cola_od(
   constraints: ConstraintSpec = None,
   temperature: optax.ScalarOrSchedule = 0.0,
   key: jax.Array | None = None,
+  free: optax.GradientTransformation | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Constrained overdamped Langevin dynamics (CoLA-od).
 
   In optax's terms: at temperature 0, on free leaves, this is
   ``optax.sgd(learning_rate)``; ``learning_rate`` is SGD's learning rate.
-  Parameters off their manifold are put on it by the first update (call
-  :func:`~cola_jax.project_params` to start there).
+  ``free=optax.adam(1e-3)`` (any optax transformation) moves the free leaves
+  instead. Parameters off their manifold are put on it by the first update
+  (call :func:`~cola_jax.project_params` to start there).
 
   Each leaf takes an Euler-Maruyama step and is projected back onto the
   manifold of its constraint (slack variables included):
@@ -243,12 +315,20 @@ def cola_od(
     temperature: ``tau >= 0``, a number or an optax schedule. Exactly ``0``
       draws no noise at all.
     key: a JAX PRNG key, required unless ``temperature`` is exactly 0.
+    free: an optax ``GradientTransformation`` for the unconstrained leaves
+      (``optax.adam(1e-3)``, ``optax.adamw``, a chain), or ``None`` (default):
+      the step above. Given, it moves those leaves exactly as
+      ``optax.partition`` routing them to it would: its ``update`` gets their
+      gradients and parameters (``optax.MaskedNode`` at the constrained
+      leaves) and the extra arguments. They draw no Langevin noise (the
+      optimizer given owns them); the constrained leaves' steps, noise
+      included, are the same as without ``free``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` needs
-    ``params`` (extra keyword arguments, such as ``value=loss``, are accepted
-    and not used). It must be the last link of a chain (what follows would
-    leave the manifold).
+    ``params`` (extra keyword arguments, such as ``value=loss``, go to
+    ``free`` and are not used otherwise). It must be the last link of a chain
+    (what follows would leave the manifold).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, cola_jax as cola
@@ -262,41 +342,61 @@ def cola_od(
     >>> bool(jnp.allclose(w.T @ w, jnp.eye(2), atol=1e-5)), params['b']  # b: a plain gradient step
     (True, Array([-0.1, -0.1], dtype=float32))
 
+    The free leaf on Adam, the constrained one as before:
+
+    >>> params = {'w': jnp.eye(3, 2), 'b': jnp.zeros(2)}
+    >>> tx = cola.cola_od(0.1, constraints={'w': cola.Orthogonal(), 'b': None}, free=optax.adam(1e-2))
+    >>> updates, state = tx.update(grads, tx.init(params), params)
+    >>> params = optax.apply_updates(params, updates)
+    >>> bool(jnp.allclose(params['w'], w)), params['b'].round(4)  # Adam's first step: -1e-2 sign(g)
+    (True, Array([-0.01, -0.01], dtype=float32))
+
   References:
     Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of
     Neural Networks*, OPT2020 (Sec. 3, Appendix B).
   """
   owner = caller("cola_od")
   noisy = _check_hyperparameters(owner, learning_rate, temperature, key)
+  free_tx = _Free(owner, free)
 
   def init_fn(params):
-    if is_params_placeholder(params):  # optax.tree.map_params: no field is a copy of the parameters
-      return OverdampedState(count=jnp.zeros([], jnp.int32), key=key, constraint_states=NOT_PARAMS)
-    layout = LeafLayout(owner, constraints, without_variables(params))
+    count = jnp.zeros([], jnp.int32)
+    if is_params_placeholder(params):  # optax.tree.map_params: free's state says which fields copy the parameters
+      return OverdampedState(count, key=key, constraint_states=NOT_PARAMS, free_state=free_tx.init(params, None))
+    params = without_variables(params)
+    layout = LeafLayout(owner, constraints, params)
     auxes = _compiled.call(initial_auxes, (tuple(layout.constraints),), layout.compute)
-    return OverdampedState(count=jnp.zeros([], jnp.int32), key=key, constraint_states=layout.unflatten(auxes))
+    return OverdampedState(
+      count, key=key, constraint_states=layout.unflatten(auxes), free_state=free_tx.init(params, layout)
+    )
 
   def update_fn(grads, state, params=None, **extra_args):
-    del extra_args  # as optax.sgd: the loss value and the like are not used
     check_state(owner, state, OverdampedState)
     layout = LeafLayout(owner, constraints, params)
     grad_leaves = layout.gradients(grads)
     auxes = layout.flatten(state.constraint_states, "state.constraint_states")
     layout.check_state(auxes)
+    taken = free_tx.taken(layout)
+    free_updates, free_state = free_tx.update(layout, grads, state.free_state, params, extra_args)
     h = _step_size_at(learning_rate, state.count)
     noise_scale = jnp.sqrt(2 * _temperature_at(temperature, state.count) * h) if noisy else None
     next_key, leaf_keys = _step_keys(state.key, noisy, len(layout.params))
 
-    noises = _noise("overdamped", layout, auxes, leaf_keys, grad_leaves)
+    noises = _noise("overdamped", layout, auxes, leaf_keys, grad_leaves, taken)
 
     def leaf_step(c, param, grad, aux, noise):
       param, aux = _after_gradient(grad, (param, aux))
       point = langevin.overdamped_step(c, c.point(param, aux), grad, h, noise_scale, noise)
       return c.unpack(point, param)
 
-    new_params, new_auxes = _map_leaves(2, leaf_step, layout.constraints, layout.compute, grad_leaves, auxes, noises)
-    return layout.updates(new_params), OverdampedState(
-      count=jnp.asarray(optax.safe_increment(state.count)), key=next_key, constraint_states=layout.unflatten(new_auxes)
+    new_params, new_auxes = _map_leaves(
+      2, leaf_step, taken, (None, None), layout.constraints, layout.compute, grad_leaves, auxes, noises
+    )
+    return layout.updates(new_params, free_updates), OverdampedState(
+      count=jnp.asarray(optax.safe_increment(state.count)),
+      key=next_key,
+      constraint_states=layout.unflatten(new_auxes),
+      free_state=free_state,
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
@@ -330,6 +430,7 @@ def cola_ud(
   key: jax.Array | None = None,
   splitting: str = "OBA",
   momentum_dtype: Any = None,
+  free: optax.GradientTransformation | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Constrained underdamped Langevin dynamics (CoLA-ud), OBA or BAOAB splitting.
 
@@ -338,8 +439,10 @@ def cola_ud(
   instead, the arguments are the Langevin ones: ``learning_rate`` is the step
   ``h`` (SGD's learning rate is ``h**2``) and ``friction`` the rate ``gamma``
   (SGD's momentum is ``exp(-gamma h)``), so ``cola_ud(1e-3, friction=0.9)``
-  is *not* SGD-m with momentum 0.9. Parameters off their manifold are put on
-  it by the first update (call :func:`~cola_jax.project_params` to start there).
+  is *not* SGD-m with momentum 0.9. ``free=optax.adam(1e-3)`` (any optax
+  transformation) moves the free leaves instead. Parameters off their
+  manifold are put on it by the first update (call
+  :func:`~cola_jax.project_params` to start there).
 
   Positions ``q`` (with slack variables) and momenta ``p`` in the cotangent
   space of the manifold advance by
@@ -379,11 +482,16 @@ def cola_ud(
       halves the momenta of a bfloat16 model; the step still computes in
       float32 and rounds the new momentum once. Positions and slack variables
       stay in the compute dtype, so the constraints hold as closely.
+    free: an optax ``GradientTransformation`` for the unconstrained leaves,
+      or ``None`` (default): the dynamics above. As for :func:`cola_od`:
+      exactly ``optax.partition``'s step with it on those leaves, no noise
+      and no momenta of this method for them, and the constrained leaves'
+      steps unchanged.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` needs
-    ``params`` (extra keyword arguments are accepted and not used). It must
-    be the last link of a chain.
+    ``params`` (extra keyword arguments go to ``free`` and are not used
+    otherwise). It must be the last link of a chain.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, cola_jax as cola
@@ -398,6 +506,15 @@ def cola_ud(
     >>> bool(jnp.abs(params['w']).max() <= 0.1)  # noise and all, |w| <= 0.1
     True
 
+    With AdamW on the free leaf (its weight decay reads ``params``): the
+    momenta are kept for ``w`` only, AdamW's moments for ``b`` only.
+
+    >>> tx = cola.cola_ud(0.3, friction=1.0, constraints={'w': cola.Circle(0.1), 'b': None},
+    ...                   free=optax.adamw(1e-3, weight_decay=0.1))
+    >>> state = tx.init(params)
+    >>> state.momentum['b'], state.free_state[0].mu['w']
+    (MaskedNode(), MaskedNode())
+
   References:
     Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of
     Neural Networks*, OPT2020 (Sec. 3, Appendix B).
@@ -409,30 +526,42 @@ def cola_ud(
   if splitting not in _SPLITTINGS:
     raise ValueError(f"{owner}: splitting must be one of {_SPLITTINGS}, got {splitting!r}.")
   momentum_dtype = check_floating_dtype(owner, "momentum_dtype", momentum_dtype)
+  free_tx = _Free(owner, free)
+
+  def zero_momentum(c, p):
+    m = c.zero_momentum(p)
+    return m if momentum_dtype is None else m.astype(momentum_dtype)
 
   def init_fn(params):
-    if is_params_placeholder(params):  # optax.tree.map_params: the momenta are the copy of the parameters
-      return UnderdampedState(count=jnp.zeros([], jnp.int32), key=key, constraint_states=NOT_PARAMS, momentum=params)
-    layout = LeafLayout(owner, constraints, without_variables(params))
+    count = jnp.zeros([], jnp.int32)
+    if is_params_placeholder(params):  # optax.tree.map_params: the momenta (and free's state) copy the parameters
+      return UnderdampedState(
+        count, key=key, constraint_states=NOT_PARAMS, momentum=params, free_state=free_tx.init(params, None)
+      )
+    params = without_variables(params)
+    layout = LeafLayout(owner, constraints, params)
     auxes = _compiled.call(initial_auxes, (tuple(layout.constraints),), layout.compute)
-    momenta = [c.zero_momentum(p) for c, p in zip(layout.constraints, layout.compute)]
-    if momentum_dtype is not None:
-      momenta = [m.astype(momentum_dtype) for m in momenta]
+    momenta = [
+      optax.MaskedNode() if t else zero_momentum(c, p)
+      for c, p, t in zip(layout.constraints, layout.compute, free_tx.taken(layout))
+    ]
     return UnderdampedState(
-      count=jnp.zeros([], jnp.int32),
+      count,
       key=key,
       constraint_states=layout.unflatten(auxes),
       momentum=layout.unflatten(momenta),
+      free_state=free_tx.init(params, layout),
     )
 
   def update_fn(grads, state, params=None, **extra_args):
-    del extra_args  # as optax.sgd: the loss value and the like are not used
     check_state(owner, state, UnderdampedState)
     layout = LeafLayout(owner, constraints, params)
     grad_leaves = layout.gradients(grads)
     auxes = layout.flatten(state.constraint_states, "state.constraint_states")
-    momenta = layout.flatten(state.momentum, "state.momentum")
+    taken = free_tx.taken(layout)
+    momenta = [None if t else m for m, t in zip(layout.flatten(state.momentum, "state.momentum"), taken)]
     layout.check_state(auxes, momenta)
+    free_updates, free_state = free_tx.update(layout, grads, state.free_state, params, extra_args)
     if from_sgd:
       h, decay = jnp.sqrt(_step_size_at(learning_rate, state.count)), jnp.asarray(momentum, jnp.float32)
     else:
@@ -443,7 +572,7 @@ def cola_ud(
 
     kick = jnp.where(state.count == 0, h / 2, h)
 
-    noises = _noise(splitting, layout, auxes, leaf_keys, grad_leaves)
+    noises = _noise(splitting, layout, auxes, leaf_keys, grad_leaves, taken)
 
     def leaf_step(c, param, grad, aux, stored, noise):
       param, aux = _after_gradient(grad, (param, aux))
@@ -456,13 +585,23 @@ def cola_ud(
       return new_param, new_aux, c.store_momentum(momentum, param).astype(stored.dtype)
 
     new_params, new_auxes, new_momenta = _map_leaves(
-      3, leaf_step, layout.constraints, layout.compute, grad_leaves, auxes, momenta, noises
+      3,
+      leaf_step,
+      taken,
+      (None, None, optax.MaskedNode()),
+      layout.constraints,
+      layout.compute,
+      grad_leaves,
+      auxes,
+      momenta,
+      noises,
     )
-    return layout.updates(new_params), UnderdampedState(
+    return layout.updates(new_params, free_updates), UnderdampedState(
       count=jnp.asarray(optax.safe_increment(state.count)),
       key=next_key,
       constraint_states=layout.unflatten(new_auxes),
       momentum=layout.unflatten(new_momenta),
+      free_state=free_state,
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]

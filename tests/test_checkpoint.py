@@ -27,6 +27,10 @@ STOP, TOTAL = 4, 9
 TRANSFORMS = {
   "c_cola_ud": lambda: cola.c_cola_ud(0.3, friction=1.0, radius=0.3, temperature=1e-3, key=jax.random.key(1)),
   "o_cola_ud": lambda: cola.o_cola_ud(0.1, friction=1.0, temperature=1e-4, key=jax.random.key(2)),
+  # free=: Adam's moments for the biases, optax.MaskedNode where the momenta and the moments have no leaf.
+  "c_cola_ud_free_adam": lambda: cola.c_cola_ud(
+    0.3, friction=1.0, radius=0.3, temperature=1e-3, key=jax.random.key(1), free=optax.adam(1e-2)
+  ),
   # A chain inside inject_hyperparams: nested states, a schedule, no key (tau = 0).
   "chained_c_cola_od": lambda: optax.chain(
     optax.clip_by_global_norm(1.0),
@@ -173,6 +177,6 @@ def test_state_restored_without_a_target_gives_a_clear_error(mlp_problem, tmp_pa
   checkpointer = ocp.StandardCheckpointer()
   as_dicts = checkpointer.restore(tmp_path / "state")
   checkpointer.close()
-  assert isinstance(as_dicts, dict) and set(as_dicts) == {"count", "key", "constraint_states", "momentum"}
+  assert isinstance(as_dicts, dict) and set(as_dicts) == {"count", "key", "constraint_states", "momentum", "free_state"}
   with pytest.raises(TypeError, match="UnderdampedState"):
     tx.update(jax.tree.map(jnp.zeros_like, params), as_dicts, params)

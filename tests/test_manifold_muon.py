@@ -165,19 +165,24 @@ def test_leaves_stay_on_the_manifold(shape, constraint):
 
 
 def test_free_leaves_take_sgd_with_the_same_momentum():
+  """The docstring's claim: ``-eta d``, which is ``optax.sgd(eta * (1 - beta), momentum=beta, nesterov=...)``."""
   beta, eta = 0.9, 0.05
   grads = [jnp.array([1.0, -2.0]), jnp.array([0.5, 0.5]), jnp.array([-1.0, 3.0])]
   for nesterov in (False, True):
     tx = cola.manifold_muon(eta, constraints=lambda params: None, momentum=beta, nesterov=nesterov)  # all free
-    params = jnp.zeros(2)
-    state = tx.init(params)
+    sgd = optax.sgd(eta * (1 - beta), momentum=beta, nesterov=nesterov)
+    params = sgd_params = jnp.zeros(2)
+    state, sgd_state = tx.init(params), sgd.init(params)
     m, expected = np.zeros(2), np.zeros(2)
     for g in grads:
       updates, state = tx.update(g, state, params)
       params = optax.apply_updates(params, updates)
+      updates, sgd_state = sgd.update(g, sgd_state, sgd_params)
+      sgd_params = optax.apply_updates(sgd_params, updates)
       m = beta * m + (1 - beta) * np.asarray(g)
       expected -= eta * (beta * m + (1 - beta) * np.asarray(g) if nesterov else m)
     np.testing.assert_allclose(params, expected, rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(params, sgd_params, rtol=1e-5, atol=1e-8)
 
 
 def test_schedule_jit_equals_eager_and_map_params():

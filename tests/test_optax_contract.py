@@ -898,9 +898,11 @@ def test_map_params_maps_the_parameter_shaped_fields(name, form):
   (trace, _) = to_specs(sgd, sgd.init(params))
   assert trace.trace == specs
   if isinstance(state, cola.OverdampedState):
-    assert mapped == cola.OverdampedState(count=None, key=None, constraint_states=None)
+    assert mapped == cola.OverdampedState(count=None, key=None, constraint_states=None, free_state=None)
   elif isinstance(state, cola.UnderdampedState):
-    assert mapped == cola.UnderdampedState(count=None, key=None, constraint_states=None, momentum=trace.trace)
+    assert mapped == cola.UnderdampedState(
+      count=None, key=None, constraint_states=None, momentum=trace.trace, free_state=None
+    )
   else:
     opt = inner(name)
     assert mapped == cola.ConstrainedState(inner_state=to_specs(opt, opt.init(params)), constraint_states=None)
