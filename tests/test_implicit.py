@@ -514,7 +514,10 @@ def test_newton_converges_far_below_the_start_in_float32():
   updates, state = jax.jit(tx.update)(grads, tx.init(projected), projected)
   assert bool(state.constraint_states.converged)
   assert float(jnp.max(jnp.abs(updates))) > 1e-5
-  assert float(state.constraint_states.residual(projected + updates)) <= 1e-6
+  # The step met the tolerance at its own point; apply_updates then rounds each entry by up to 3 u |x_i|, which moves
+  # the sum by 3 u sum|x| and the squared norm over r^2 by 6 u.
+  moved = rounding.roundings(3) * max(float(jnp.max(jnp.sum(jnp.abs(projected), axis=0))), 2.0)
+  assert float(state.constraint_states.residual(projected + updates)) <= per_unit.tolerance + moved
 
 
 def test_the_catalog_min_max_norm_recipe_is_keras_to_float32_rounding():
