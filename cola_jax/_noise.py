@@ -83,26 +83,6 @@ def fold_in(key: jax.Array, data: int) -> jax.Array:
   return folded
 
 
-def fold_in_range(key: jax.Array, n: int) -> list[jax.Array]:
-  """``[fold_in(key, i) for i in range(n)]``, bit for bit, as one written-out hash of ``n`` counters.
-
-  One small kernel whatever ``n``, where ``n`` fold-ins of different data
-  would each compile to a kernel of their own; each key is a buffer of its
-  own (:func:`~cola_jax._numerics.computed_together`), which the kernels
-  that read it take as an operand, so that XLA compiles their loops once for
-  all keys. Anything :func:`fold_in` passes to ``jax.random.fold_in`` is
-  folded one by one.
-  """
-  words = _threefry_words(key)
-  if words is None or n >= 2**32:
-    return [fold_in(key, i) for i in range(n)]
-  folded = jnp.stack(_threefry_2x32(words, jnp.arange(n, dtype=jnp.uint32)), axis=-1)
-  rows = computed_together(*folded)
-  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-    return [jax.random.wrap_key_data(row, impl=jax.random.key_impl(key)) for row in rows]
-  return list(rows)
-
-
 def normal_pair(key: jax.Array, shape: tuple[int, ...], dtype, out_sharding=None) -> tuple[jax.Array, jax.Array]:
   r"""Two independent standard normal arrays of ``shape``: one Threefry hash per entry.
 
