@@ -17,13 +17,13 @@ import cola_jax as cola
 
 CONSTRAINTS = {"layer0": {"w": cola.Circle(0.5), "b": None}, "layer1": {"w": cola.Orthogonal(), "b": None}}
 LABELS = {"layer0": {"w": "cola", "b": "free"}, "layer1": {"w": "cola", "b": "free"}}
-HIDDEN = {"layer0": {"w": True, "b": False}, "layer1": {"w": True, "b": False}}  # the o-CoLA presets' mask
+HIDDEN = {"layer0": {"w": True, "b": False}, "layer1": {"w": True, "b": False}}  # the presets' mask
 
 METHODS = {  # each method with its constraints on the two weights, the biases free
   "cola_od": lambda **kw: cola.cola_od(0.05, constraints=CONSTRAINTS, **kw),
   "cola_ud": lambda **kw: cola.cola_ud(0.3, friction=1.0, constraints=CONSTRAINTS, **kw),
-  "c_cola_od": lambda **kw: cola.c_cola_od(0.05, radius=0.5, **kw),
-  "c_cola_ud": lambda **kw: cola.c_cola_ud(0.01, momentum=0.9, radius=0.5, **kw),
+  "c_cola_od": lambda **kw: cola.c_cola_od(0.05, radius=0.5, mask=HIDDEN, **kw),
+  "c_cola_ud": lambda **kw: cola.c_cola_ud(0.01, momentum=0.9, radius=0.5, mask=HIDDEN, **kw),
   "o_cola_od": lambda **kw: cola.o_cola_od(0.05, mask=HIDDEN, **kw),
   "o_cola_ud": lambda **kw: cola.o_cola_ud(0.3, friction=1.0, mask=HIDDEN, splitting="BAOAB", **kw),
 }
