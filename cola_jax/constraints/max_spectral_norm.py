@@ -112,8 +112,9 @@ class MaxSpectralNormState:
     >>> import jax.numpy as jnp, cola_jax as cola
     >>> tx = cola.cola_od(0.1, constraints=cola.MaxSpectralNorm(1.0))
     >>> state = tx.init(jnp.array([[0.6, 0.0], [0.0, 0.8], [0.0, 0.0]])).constraint_states
-    >>> state.slack  # W^T W + S^T S = I
-    Array([[0.8, 0. ], [0. , 0.6]], dtype=float32)
+    >>> import numpy as np
+    >>> np.asarray(state.slack, np.float64).round(6).tolist()  # W^T W + S^T S = I
+    [[0.8, 0.0], [0.0, 0.6]]
     >>> float(state.residual(jnp.array([[0.6, 0.0], [0.0, 0.8], [0.0, 0.0]])))
     0.0
   """
@@ -181,7 +182,9 @@ class MaxSpectralNorm(Constraint):
   A start beyond the ball, on its boundary or within 1 % of it starts with
   every singular value above ``0.99 r`` clipped to ``0.99 r`` (the rule of
   :class:`Circle` and :class:`MaxNorm`, which leaves the slack room to move);
-  a matrix with ``sigma_max <= 0.99 r`` is left as it is. The state
+  a matrix with ``sigma_max <= 0.99 r`` is left as it is (bit for bit; where
+  some are clipped, the others keep their values to the polar factor's
+  rounding, an ulp or so). The state
   (:class:`MaxSpectralNormState`) holds the slack ``(s, s)`` and the last
   projection's diagnostics; the momentum of ``cola_ud`` is stored as the
   ``(n + s, s)`` tangent matrix of ``[W; S]`` (not shaped like the leaf).
@@ -190,8 +193,10 @@ class MaxSpectralNorm(Constraint):
   Example:
     >>> import jax.numpy as jnp, cola_jax as cola
     >>> w = jnp.array([[3.0, 0.0], [0.0, 0.5], [0.0, 0.0]])  # singular values 3 and 0.5
-    >>> cola.MaxSpectralNorm(1.0).nearest(w)  # where the first update starts: 3 clipped to 0.99
-    Array([[0.99, 0.  ], [0.  , 0.5 ], [0.  , 0.  ]], dtype=float32)
+    >>> import numpy as np
+    >>> near = cola.MaxSpectralNorm(1.0).nearest(w)  # where the first update starts: 3 clipped to 0.99
+    >>> np.asarray(near, np.float64).round(6).tolist()
+    [[0.99, 0.0], [0.0, 0.5], [0.0, 0.0]]
     >>> tx = cola.cola_ud(0.1, friction=1.0,
     ...                   constraints={'kernel': cola.MaxSpectralNorm(1.0), 'bias': None})
     >>> # A conv kernel (kh, kw, in, out) as kh * kw matrices (in, out), each in the ball.
