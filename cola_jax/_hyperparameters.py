@@ -56,6 +56,22 @@ def check_positive(owner: str, name: str, value: Any) -> None:
     raise ValueError(f"{owner}: {name} must be positive and finite, got {value!r}.")
 
 
+def check_static_positive(owner: str, name: str, value: Any) -> float:
+  """``value`` as a Python float; raises unless it is a finite number ``> 0`` known now.
+
+  For a hyperparameter that fixes the manifold (a scale): neither a schedule
+  nor a traced value, since it is part of the constraint's static identity.
+  """
+  if callable(value):
+    raise TypeError(f"{owner}: {name} must be a number, not a schedule.")
+  x = _known(owner, name, value)
+  if x is None:
+    raise TypeError(f"{owner}: {name} must be a concrete number (it fixes the manifold), got a traced value.")
+  if not (math.isfinite(x) and x > 0):
+    raise ValueError(f"{owner}: {name} must be positive and finite, got {value!r}.")
+  return float(x)
+
+
 def check_nonnegative(owner: str, name: str, value: Any) -> None:
   """Raises unless ``value`` is a schedule, traced, or a finite number ``>= 0``."""
   x = _known(owner, name, value)

@@ -367,7 +367,8 @@ def manifold_muon(
   def leaf_step(c, p, aux, d, eta):
     """An ``Orthogonal`` leaf ``p`` stepped along ``d``: its new value and constraint state, its direction's info."""
     point = c.point(p, aux)
-    w, ambient = point.matrix, c.ambient_gradient(point, d)
+    # The tangent space at Q = scale U is U's: the direction is found for U (Orthogonal's scale).
+    w, ambient = point.matrix / c.scale, c.ambient_gradient(point, d)
     direction = lambda w, g: steepest_tangent_direction(w, g, tolerance=tolerance, max_iterations=max_iterations)
     a, info = direction(w, ambient) if w.ndim == 2 else jax.vmap(direction)(w, ambient)
     new_param, new_aux = c.unpack(c.retract(point, -eta * c.cotangent(point, a)), p)

@@ -86,6 +86,8 @@ CATALOG = {
   "box": cola.Box(-0.1, 0.4),
   "non_negative": cola.NonNegative(),
   "sphere": cola.MaxNorm(0.5),
+  "spectral": cola.MaxSpectralNorm(0.5),
+  "orthogonal_scaled": cola.Orthogonal(scale=0.5),
   "unit_norm": cola.UnitNorm(),
   "implicit": cola.Implicit(inequality=lambda w: jnp.sum(w * w) / 0.25 - 1, axis=0),
   "free": None,

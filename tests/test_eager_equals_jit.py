@@ -132,6 +132,10 @@ CASES = {
   "orthogonal_tall": Case(cola.Orthogonal(), (4, 2), _eye((4, 2)), moving=("bound",)),
   "orthogonal_wide": Case(cola.Orthogonal(), (2, 4), _eye((2, 4)), moving=("bound",)),
   "orthogonal_conv": Case(cola.Orthogonal(), (2, 2, 2, 3), _eye((2, 2, 2, 3)), moving=("bound",)),
+  "orthogonal_scaled": Case(cola.Orthogonal(scale=R), (4, 2), R * _eye((4, 2)), moving=("bound",)),
+  # On the boundary sigma = R: the start rule moves it to 0.99 R, through the stacked polar factor.
+  "spectral_tall": Case(cola.MaxSpectralNorm(R), (4, 2), R * _eye((4, 2)), moving=("bound",)),
+  "spectral_wide": Case(cola.MaxSpectralNorm(R), (2, 3), 0.5 * _eye((2, 3)), moving=("bound",)),
   # The negative branch s = -sqrt(w).
   "non_negative": Case(
     cola.NonNegative(),
@@ -162,6 +166,9 @@ SLOW_CASES = {
   "unit_norm_vector_default_axis": Case(cola.UnitNorm(2.0), (3, 2), np.array([[2.0, 0.0], [0.0, 0.0], [0.0, 0.0]])),
   "orthogonal_square": Case(cola.Orthogonal(), (3, 3), _eye((3, 3))),
   "orthogonal_per_tap": Case(cola.Orthogonal(row_axes=2, column_axes=3), (2, 1, 3, 2), _eye((2, 1, 3, 2))),
+  "spectral_per_tap": Case(
+    cola.MaxSpectralNorm(1.0, row_axes=2, column_axes=3), (2, 1, 3, 2), 0.5 * _eye((2, 1, 3, 2)), moving=("bound",)
+  ),
   "orthogonal_newton": Case(cola.Orthogonal(projection="newton"), (4, 2), _eye((4, 2))),
   "orthogonal_square_root_fixed": Case(cola.Orthogonal(projection="square_root", loop="fixed"), (3, 3), _eye((3, 3))),
   "implicit_per_unit": Case(

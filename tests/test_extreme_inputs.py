@@ -37,6 +37,8 @@ CONSTRAINTS = {
   "sphere": (cola.MaxNorm(1.5), 0.5 * ORTHONORMAL),
   "orthogonal": (cola.Orthogonal(), ORTHONORMAL),
   "implicit": (cola.Implicit(equality=_unit_norm), ORTHONORMAL),
+  "orthogonal_scaled": (cola.Orthogonal(scale=3.0), 3.0 * ORTHONORMAL),
+  "spectral": (cola.MaxSpectralNorm(1.5), 0.5 * ORTHONORMAL),
 }
 # The other solvers of the same constraints.
 SOLVERS = {
@@ -44,7 +46,12 @@ SOLVERS = {
   "orthogonal-square_root": (cola.Orthogonal(projection="square_root"), ORTHONORMAL),
   "implicit-quasi_newton": (cola.Implicit(equality=_unit_norm, quasi_newton=True), ORTHONORMAL),
 }
-FLAGGED = ("orthogonal", "implicit")  # constraints whose state says whether a step converged
+FLAGGED = (
+  "orthogonal",
+  "implicit",
+  "orthogonal_scaled",
+  "spectral",
+)  # constraints whose state says whether a step converged
 
 
 def _transform(method, constraint, learning_rate=0.1):

@@ -89,6 +89,12 @@ def _polar(t):
   return u @ vt
 
 
+def _into_spectral_ball(t, radius):
+  """The nearest matrix of spectral norm at most ``radius``: the singular values clipped."""
+  u, s, vt = np.linalg.svd(t, full_matrices=False)
+  return (u * np.minimum(s, radius)) @ vt
+
+
 def _into_unit_balls(t):
   """Each column scaled into the unit ball."""
   return t * np.minimum(1, 1 / np.linalg.norm(t, axis=0, keepdims=True))
@@ -116,6 +122,11 @@ CATALOG = {
   "sphere": Problem(cola.MaxNorm(1.0), np.full((3, 2), 0.3), _MATRIX, _into_unit_balls(_MATRIX)),
   "unitnorm": Problem(cola.UnitNorm(1.0), np.ones((3, 2)), _MATRIX, _MATRIX / np.linalg.norm(_MATRIX, axis=0)),
   "orthogonal": Problem(cola.Orthogonal(), np.eye(3, 2), _MATRIX, _polar(_MATRIX)),
+  # Scale 1/2: the slowest mode of |W - T|^2 on s V relaxes at a rate ~ (sigma_i + sigma_j) / s of T's singular
+  # values, so a scale below 1 converges faster than the unit manifold in the tests' step budgets.
+  "orthogonal_scaled": Problem(cola.Orthogonal(scale=0.5), 0.5 * np.eye(3, 2), _MATRIX, 0.5 * _polar(_MATRIX)),
+  # The target's singular values are 2.30 and 0.34: the optimum is on the boundary in one direction only.
+  "spectral": Problem(cola.MaxSpectralNorm(1.0), np.full((3, 2), 0.2), _MATRIX, _into_spectral_ball(_MATRIX, 1.0)),
   "implicit": Problem(PLANE_BALL, np.array([0.5, 0.5, 0.0]), _TARGET, _nearest_in_plane_ball(_TARGET)),
 }
 
@@ -140,7 +151,7 @@ REPRESENTATIVE = {
   "o_cola_od": "orthogonal",
   "o_cola_ud": "orthogonal",
 }
-QUICK = set(REPRESENTATIVE.items())
+QUICK = set(REPRESENTATIVE.items()) | {("cola_ud", "spectral"), ("adam", "orthogonal_scaled")}
 FEW = {("cola_ud", "circle"), ("adam", "sphere"), ("sgd_momentum", "nonnegative"), ("o_cola_od", "orthogonal")}
 
 

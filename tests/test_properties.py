@@ -50,6 +50,12 @@ CONSTRAINTS = {
   "non_negative": (lambda: cola.NonNegative(), lambda shape: True),
   "unit_norm": (lambda: cola.UnitNorm(2.0), lambda shape: len(shape) >= 2 and math.prod(shape[:-1]) >= 2),
   "orthogonal_batched": (lambda: cola.Orthogonal(row_axes=(-2,), column_axes=(-1,)), lambda shape: len(shape) >= 3),
+  "orthogonal_scaled": (lambda: cola.Orthogonal(scale=0.5), lambda shape: len(shape) >= 2),
+  "spectral": (lambda: cola.MaxSpectralNorm(0.8), lambda shape: len(shape) >= 2),
+  "spectral_batched": (
+    lambda: cola.MaxSpectralNorm(2.0, row_axes=(-2,), column_axes=(-1,)),
+    lambda shape: len(shape) >= 3,
+  ),
 }
 
 # Dynamics: name -> transform from (learning_rate, temperature, friction, constraint, key).

@@ -5,6 +5,7 @@ from cola_jax.constraints.box import Box, BoxState
 from cola_jax.constraints.circle import Circle, CircleState
 from cola_jax.constraints.implicit import Implicit, ImplicitState
 from cola_jax.constraints.max_norm import MaxNorm, MaxNormState
+from cola_jax.constraints.max_spectral_norm import MaxSpectralNorm, MaxSpectralNormState
 from cola_jax.constraints.non_negative import NonNegative, NonNegativeState
 from cola_jax.constraints.orthogonal import Orthogonal, ProjectionInfo
 from cola_jax.constraints.unit_norm import UnitNorm, UnitNormState
@@ -20,6 +21,8 @@ __all__ = [
   "ImplicitState",
   "MaxNorm",
   "MaxNormState",
+  "MaxSpectralNorm",
+  "MaxSpectralNormState",
   "NonNegative",
   "NonNegativeState",
   "Orthogonal",

@@ -4,7 +4,8 @@ A leaf of shape ``(..., n)`` is viewed as the matrix ``W`` of shape
 ``(prod(shape[:-1]), n)``: for Flax's ``Dense`` kernel ``(in, out)`` and conv
 kernel ``(kh, kw, in, out)`` the output units or filters are the columns. With
 ``s = min(rows, cols)`` the constraint is ``W^T W = I_s`` for a tall matrix and
-``W W^T = I_s`` for a wide one. Internally both are the tall matrix
+``W W^T = I_s`` for a wide one (``s^2 I_s`` with ``scale=s``: the same
+geometry for ``W / s``, see :class:`Orthogonal`). Internally both are the tall matrix
 ``Q`` (``W`` or ``W^T``) of shape ``(r, s)``, ``r >= s``, with ``Q^T Q = I_s``.
 ``row_axes`` and ``column_axes`` choose other views: the named axes index the
 rows and the columns, every other axis is a batch axis, and the leaf holds one
@@ -71,7 +72,7 @@ import jax
 import jax.numpy as jnp
 
 from cola_jax import _compiled, _noise
-from cola_jax._hyperparameters import check_loop, check_positive, check_positive_integer
+from cola_jax._hyperparameters import check_loop, check_positive, check_positive_integer, check_static_positive
 from cola_jax._numerics import (
   bounded_while_loop,
   explicit_sharding,
@@ -151,8 +152,20 @@ def polar_factor(q: jax.Array) -> jax.Array:
   return polar if replicated is None else jax.sharding.reshard(polar, sharding)
 
 
-def _polar_where(q: jax.Array, needed: jax.Array, moved: jax.Array | None = None, fixed: bool = False) -> jax.Array:
-  """``polar_factor(q)`` where ``needed``, else ``q``.
+def _times(x: jax.Array, scale: float) -> jax.Array:
+  """``scale x``; ``x`` itself, bit for bit, at scale 1 (the default, which the unscaled manifold keeps)."""
+  return x if scale == 1 else x * scale
+
+
+def _over(x: jax.Array, scale: float) -> jax.Array:
+  """``x / scale``; ``x`` itself at scale 1."""
+  return x if scale == 1 else x / scale
+
+
+def _polar_where(
+  q: jax.Array, needed: jax.Array, moved: jax.Array | None = None, fixed: bool = False, scale: float = 1.0
+) -> jax.Array:
+  """``scale polar_factor(q)`` where ``needed``, else ``q``.
 
   With ``moved`` (the unprojected point of a projection that ended as ``q``)
   the polar factor is taken of :func:`_fallback_start`. A ``lax.cond`` with a
@@ -162,7 +175,7 @@ def _polar_where(q: jax.Array, needed: jax.Array, moved: jax.Array | None = None
   trip) the SVD always runs and is selected.
   """
   start = (lambda q: q) if moved is None else (lambda q: _fallback_start(q, moved))
-  polar = lambda carry: (polar_factor(start(carry[0])), jnp.array(False))
+  polar = lambda carry: (_times(polar_factor(start(carry[0])), scale), jnp.array(False))
   q, _ = bounded_while_loop(lambda carry: carry[1], polar, (q, needed), 1, fixed)
   return q
 
@@ -189,7 +202,9 @@ _SOLVERS = {
 
 
 @functools.partial(
-  jax.tree_util.register_dataclass, data_fields=["iterations", "converged"], meta_fields=["row_axes", "column_axes"]
+  jax.tree_util.register_dataclass,
+  data_fields=["iterations", "converged"],
+  meta_fields=["row_axes", "column_axes", "scale"],
 )
 @dataclasses.dataclass(frozen=True)
 class ProjectionInfo:
@@ -198,7 +213,8 @@ class ProjectionInfo:
   For a leaf of several matrices (``Orthogonal`` with batch axes) they are
   aggregated: the most iterations any matrix used, and converged only if every
   matrix converged. ``row_axes`` and ``column_axes`` (static) are the leaf's
-  view, so that the residual can form its matrices. After a retraction
+  view, so that the residual can form its matrices, and ``scale`` (static)
+  the constraint's ``W^T W = scale^2 I``. After a retraction
   (:func:`~cola_jax.constrained`) they describe it instead: see
   ``Orthogonal``'s ``retraction``.
 
@@ -219,12 +235,13 @@ class ProjectionInfo:
   converged: jax.Array
   row_axes: tuple[int, ...] | None = None
   column_axes: tuple[int, ...] | None = None
+  scale: float = 1.0
 
   def residual(self, param: jax.Array) -> jax.Array:
-    """``max |Q^T Q - I|`` over the leaf's matrices, computed in at least float32."""
+    """``max |Q^T Q / scale^2 - I|`` over the leaf's matrices, computed in at least float32."""
     dtype = jnp.promote_types(param.dtype, jnp.float32)
     q = tall_view(param.astype(dtype), self.row_axes, self.column_axes)
-    return max_abs(_each(gram_defect, q))
+    return max_abs(_each(gram_defect, _over(q, self.scale)))
 
 
 class StiefelPoint(NamedTuple):
@@ -328,6 +345,18 @@ class Orthogonal(Constraint):
       (``results/cost/seq2seq.json``), where the seven ``s^3`` products per
       kernel that any verified Riemannian step by matrix products makes
       already cost 1.93 times.
+    scale: ``s > 0``, the manifold ``W^T W = s^2 I`` (tall) or
+      ``W W^T = s^2 I`` (wide): every singular value of each matrix is ``s``
+      (the scaled Stiefel manifold). The projection, the cotangent space,
+      the A step, the retractions and the noise are those of the unit
+      manifold for ``W / s`` read in ``W``'s units (the normal space at
+      ``s U`` is ``U``'s), so the dynamics is Langevin in ``W`` itself;
+      ``tolerance`` and ``reproject_above`` bound ``max |W^T W / s^2 - I|``,
+      and :meth:`nearest` is ``s`` times the polar factor. One number per
+      constraint: for the ``sqrt(fan_out / fan_in)`` convention (modula's
+      orthogonal atoms, unit RMS-to-RMS norm; a Dense kernel ``(in, out)``
+      has ``fan_in = in``, ``fan_out = out``) give each leaf its own, as in
+      the example below.
 
   A leaf with batch axes steps its matrices independently (the geometry is
   ``jax.vmap``-ed over them; the noise is independent per entry, so per
@@ -343,6 +372,17 @@ class Orthogonal(Constraint):
     >>> tx = cola.cola_od(0.1, constraints={'kernel': cola.Orthogonal(), 'bias': None})
     >>> # A conv kernel (kh, kw, in, out) as kh * kw orthonormal (in, out) matrices.
     >>> per_tap = cola.Orthogonal(row_axes=2, column_axes=3)
+
+    Scaled, ``W^T W = 4 I``; and ``sqrt(fan_out / fan_in)`` per Dense kernel:
+
+    >>> cola.Orthogonal(scale=2.0).nearest(kernel)
+    Array([[2., 0.], [0., 2.], [0., 0.]], dtype=float32)
+    >>> import math, jax
+    >>> by_fans = lambda params: jax.tree.map(
+    ...     lambda p: cola.Orthogonal(scale=math.sqrt(p.shape[-1] / p.shape[0])) if p.ndim == 2 else None, params)
+    >>> by_fans({'kernel': jnp.zeros((512, 128)), 'bias': jnp.zeros(128)})['kernel'].scale
+    0.5
+    >>> tx = cola.cola_od(0.1, constraints=by_fans)
   """
 
   tolerance: float = 1e-6
@@ -353,6 +393,7 @@ class Orthogonal(Constraint):
   column_axes: tuple[int, ...] | None = None
   loop: str = "while"
   retraction: str = "newton_schulz"
+  scale: float = 1.0
 
   stack_same_shape = True
   project_noise_with_force = True
@@ -377,6 +418,7 @@ class Orthogonal(Constraint):
       raise ValueError(f"Orthogonal: row_axes {self.row_axes!r} and column_axes {self.column_axes!r} share an axis.")
     object.__setattr__(self, "row_axes", rows)  # lists become tuples: hashable
     object.__setattr__(self, "column_axes", columns)
+    object.__setattr__(self, "scale", check_static_positive("Orthogonal", "scale", self.scale))
 
   def validate(self, param, path):
     if param.ndim < 2:
@@ -404,16 +446,21 @@ class Orthogonal(Constraint):
   def _untall(self, q, like):
     return from_tall_view(q, like, self.row_axes, self.column_axes)
 
+  def _view_and_scale(self):
+    return self.row_axes, self.column_axes, self.scale
+
   def _aggregate(self, node):
     """A matrix's or a stack's :class:`ProjectionInfo` as the leaf's; other nodes as they are."""
     if not isinstance(node, ProjectionInfo):
       return node
-    return ProjectionInfo(jnp.max(node.iterations), jnp.all(node.converged), self.row_axes, self.column_axes)
+    return ProjectionInfo(
+      jnp.max(node.iterations), jnp.all(node.converged), self.row_axes, self.column_axes, self.scale
+    )
 
   # The manifold.
 
   def nearest(self, param):
-    """The polar factor: the closest matrix with orthonormal columns (or rows)."""
+    """``scale`` times the polar factor: the closest matrix of the manifold."""
     return _compiled.call(_polar_factor_of_leaf, (self,), param)
 
   def init(self, param):
@@ -422,6 +469,7 @@ class Orthogonal(Constraint):
       converged=jnp.array(True),
       row_axes=self.row_axes,
       column_axes=self.column_axes,
+      scale=self.scale,
     )
 
   def point(self, param, aux):
@@ -432,8 +480,8 @@ class Orthogonal(Constraint):
     q = point.matrix
     # NaN and overflow count as off: the polar factor then shows them as NaN
     # (non-finite) or puts the parameter on the manifold (finite).
-    off = ~(max_abs(gram_defect(q)) <= self.reproject_above)
-    return StiefelPoint(_polar_where(q, off, fixed=self.loop == "fixed"), point.info)
+    off = ~(max_abs(gram_defect(_over(q, self.scale))) <= self.reproject_above)
+    return StiefelPoint(_polar_where(q, off, fixed=self.loop == "fixed", scale=self.scale), point.info)
 
   def unpack(self, point, param):
     return self._untall(point.matrix, param), point.info
@@ -468,7 +516,9 @@ class Orthogonal(Constraint):
 
   @_per_matrix(0)
   def project(self, anchor, step):
-    moved = anchor.matrix + step
+    # Solved for the unit matrices Q / scale: the normal space at Q_n is the same, and so is the root, scaled.
+    q_n, step = _over(anchor.matrix, self.scale), _over(step, self.scale)
+    moved = q_n + step
     fixed = self.loop == "fixed"
     solve = functools.partial(
       _SOLVERS[self.projection], tolerance=self.tolerance, max_iterations=self.max_iterations, norm="max", fixed=fixed
@@ -477,16 +527,16 @@ class Orthogonal(Constraint):
     # iteration (under vmap it runs once if any member needs it).
     q, k, converged, _ = bounded_while_loop(
       lambda carry: carry[3],
-      lambda carry: (*solve(anchor.matrix, moved), jnp.array(False)),
-      (moved, jnp.zeros((), jnp.int32), jnp.array(False), self._has_root(anchor.matrix, step, fixed)),
+      lambda carry: (*solve(q_n, moved), jnp.array(False)),
+      (moved, jnp.zeros((), jnp.int32), jnp.array(False), self._has_root(q_n, step, fixed)),
       1,
       fixed,
     )
-    return StiefelPoint(_polar_where(q, ~converged, moved, fixed), ProjectionInfo(k, converged))
+    return StiefelPoint(_times(_polar_where(q, ~converged, moved, fixed), self.scale), ProjectionInfo(k, converged))
 
   @_per_matrix(0)
   def cotangent(self, point, vector):
-    q = point.matrix
+    q = _over(point.matrix, self.scale)  # Pi P = P - U sym(U^T P), U = Q / scale
     sym = stiefel_projection.gram(vector, q)
     return vector - 0.5 * jnp.matmul(q, sym + sym.T, precision=_HIGHEST)
 
@@ -506,15 +556,15 @@ class Orthogonal(Constraint):
     ``max |Q^T Q - I|``; with ``"qr"`` no iterations and the same check.
     """
     if self.retraction == "polar":
-      matrix = _each(polar_of_tangent_step, point.matrix + tangent)
-      info = ProjectionInfo(jnp.zeros((), jnp.int32), jnp.all(jnp.isfinite(matrix)), self.row_axes, self.column_axes)
-      return StiefelPoint(matrix, info)
+      matrix = _times(_each(polar_of_tangent_step, point.matrix + tangent), self.scale)
+      finite = jnp.all(jnp.isfinite(matrix))
+      return StiefelPoint(matrix, ProjectionInfo(jnp.zeros((), jnp.int32), finite, *self._view_and_scale()))
     return self._verified_retract(point, tangent)
 
   @_per_matrix(0)
   def _verified_retract(self, point, tangent):
     """``polar(Q + xi)`` by Newton-Schulz iterations or ``qf(Q + xi)``, with ``max |Q^T Q - I|`` checked."""
-    moved = point.matrix + tangent
+    moved = _over(point.matrix + tangent, self.scale)
     if self.retraction == "qr":
       matrix, converged = stiefel_retraction.qr_retraction(moved, tolerance=self.tolerance)
       iterations = jnp.zeros((), jnp.int32)
@@ -522,7 +572,7 @@ class Orthogonal(Constraint):
       matrix, iterations, converged = stiefel_retraction.newton_schulz_polar(
         moved, tolerance=self.tolerance, max_iterations=self.max_iterations, fixed=self.loop == "fixed"
       )
-    return StiefelPoint(matrix.astype(moved.dtype), ProjectionInfo(iterations, converged))
+    return StiefelPoint(_times(matrix.astype(moved.dtype), self.scale), ProjectionInfo(iterations, converged))
 
   @_per_matrix(0, None)
   def a_step(self, point, momentum, h):
@@ -538,4 +588,4 @@ class Orthogonal(Constraint):
 
 
 def _polar_factor_of_leaf(constraint: Orthogonal, param: jax.Array) -> jax.Array:
-  return constraint._untall(_each(polar_factor, constraint._tall(param)), param)
+  return constraint._untall(_times(_each(polar_factor, constraint._tall(param)), constraint.scale), param)
