@@ -4,6 +4,7 @@ the full-size model."""
 
 import json
 import math
+import pathlib
 import warnings
 
 import jax
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import cola_jax as cola
+from benchmarks.harness import report
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +63,22 @@ def test_the_rules_take_the_leaves_they_name(gpt):
     query, out = heads["query"]["kernel"][:, h], heads["out"]["kernel"][h]  # (128, 32) and (32, 128)
     assert float(jnp.abs(query.T @ query - eye).max()) < 1e-5
     assert float(jnp.abs(out @ out.T - eye).max()) < 1e-5
+
+
+def test_the_choosing_page_quotes_the_committed_runs(gpt):
+  """docs/choosing.md's transformer numbers are those of results/comparisons/gpt.json and gpt_sweep.json."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  page = (root / "docs" / "choosing.md").read_text().replace("\n", " ")
+  run = json.loads((root / "results" / "comparisons" / "gpt.json").read_text())
+  sweep = json.loads((root / "results" / "comparisons" / "gpt_sweep.json").read_text())
+  assert run["config"]["hyperparameters"] == {**gpt.DEFAULTS} and sweep["chosen"] == {
+    k: gpt.DEFAULTS[k] for k in ("adam_lr", "h", "friction")
+  }
+  quoted = [f"{v:.3f}" for v in sweep["final_valid_loss"].values()]
+  quoted += [report.pm(r["final_valid_loss"]) for r in run["results"].values()]
+  quoted += [f"{c['ratios'][k]:.2f}x" for c in run["costs"].values() for k in ("step", "compile_cpu", "memory")]
+  quoted += [
+    f"{max(max(r['residual']) for r in run['results'].values() if r['residual']):.1e}",
+    f"{run['meta']['wall_time_s']:.0f} s",
+  ]
+  assert [q for q in quoted if q not in page] == []
