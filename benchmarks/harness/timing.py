@@ -83,8 +83,8 @@ def tree_bytes(tree) -> int:
   return total
 
 
-def compile_cost(jitted, *args) -> tuple[object, dict]:
-  """``jitted.lower(*args).compile()`` and what it cost: ``lower_s``, ``compile_s`` (seconds, wall
+def compile_cost(jitted, *args, compiler_options=None) -> tuple[object, dict]:
+  """``jitted.lower(*args).compile(compiler_options)`` and what it cost: ``lower_s``, ``compile_s`` (seconds, wall
   clock), ``lower_cpu_s``, ``compile_cpu_s`` (this process's CPU seconds: on a shared machine the
   steadier measure) and XLA's ``memory_analysis()`` in bytes (``argument``, ``output``, ``alias``,
   ``temp``; None where the backend reports none), and the compiled program's size: ``fusions``
@@ -92,7 +92,7 @@ def compile_cost(jitted, *args) -> tuple[object, dict]:
   t0, c0 = time.perf_counter(), time.process_time()
   lowered = jitted.lower(*args)
   t1, c1 = time.perf_counter(), time.process_time()
-  compiled = lowered.compile()
+  compiled = lowered.compile(compiler_options)
   t2, c2 = time.perf_counter(), time.process_time()
   cost = {"lower_s": t1 - t0, "compile_s": t2 - t1, "lower_cpu_s": c1 - c0, "compile_cpu_s": c2 - c1}
   memory = compiled.memory_analysis()
