@@ -41,6 +41,20 @@ def normalize(owner: str, name: str, value) -> tuple[int, ...] | None:
   return tuple(out)
 
 
+def matrix_axes(owner: str, row_axes, column_axes) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+  """``row_axes`` and ``column_axes`` normalised: both None, or two groups that share no axis."""
+  rows = normalize(owner, "row_axes", row_axes)
+  columns = normalize(owner, "column_axes", column_axes)
+  if (rows is None) != (columns is None):
+    raise ValueError(
+      f"{owner}: give both row_axes and column_axes (every other axis is batched), "
+      f"or neither; got row_axes={row_axes!r}, column_axes={column_axes!r}."
+    )
+  if rows is not None and columns is not None and set(rows) & set(columns):
+    raise ValueError(f"{owner}: row_axes {row_axes!r} and column_axes {column_axes!r} share an axis.")
+  return rows, columns
+
+
 def resolve(where: str, shape: tuple[int, ...], **named: tuple[int, ...]) -> dict:
   """The named axis groups of a leaf of ``shape``, non-negative and sorted.
 

@@ -212,17 +212,7 @@ class MaxSpectralNorm(Constraint):
 
   def __post_init__(self):
     object.__setattr__(self, "radius", check_static_positive("MaxSpectralNorm", "radius", self.radius))
-    rows = _axes.normalize("MaxSpectralNorm", "row_axes", self.row_axes)
-    columns = _axes.normalize("MaxSpectralNorm", "column_axes", self.column_axes)
-    if (rows is None) != (columns is None):
-      raise ValueError(
-        "MaxSpectralNorm: give both row_axes and column_axes (every other axis is batched), "
-        f"or neither; got row_axes={self.row_axes!r}, column_axes={self.column_axes!r}."
-      )
-    if rows is not None and columns is not None and set(rows) & set(columns):
-      raise ValueError(
-        f"MaxSpectralNorm: row_axes {self.row_axes!r} and column_axes {self.column_axes!r} share an axis."
-      )
+    rows, columns = _axes.matrix_axes("MaxSpectralNorm", self.row_axes, self.column_axes)
     object.__setattr__(self, "row_axes", rows)
     object.__setattr__(self, "column_axes", columns)
 

@@ -407,15 +407,7 @@ class Orthogonal(Constraint):
     check_loop("Orthogonal", self.loop)
     if self.retraction not in _RETRACTIONS:
       raise ValueError(f"Orthogonal: retraction must be one of {_RETRACTIONS}, got {self.retraction!r}.")
-    rows = _axes.normalize("Orthogonal", "row_axes", self.row_axes)
-    columns = _axes.normalize("Orthogonal", "column_axes", self.column_axes)
-    if (rows is None) != (columns is None):
-      raise ValueError(
-        "Orthogonal: give both row_axes and column_axes (every other axis is batched), "
-        f"or neither; got row_axes={self.row_axes!r}, column_axes={self.column_axes!r}."
-      )
-    if rows is not None and columns is not None and set(rows) & set(columns):
-      raise ValueError(f"Orthogonal: row_axes {self.row_axes!r} and column_axes {self.column_axes!r} share an axis.")
+    rows, columns = _axes.matrix_axes("Orthogonal", self.row_axes, self.column_axes)
     object.__setattr__(self, "row_axes", rows)  # lists become tuples: hashable
     object.__setattr__(self, "column_axes", columns)
     object.__setattr__(self, "scale", check_static_positive("Orthogonal", "scale", self.scale))
