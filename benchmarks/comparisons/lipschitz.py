@@ -68,7 +68,7 @@ import optax
 from flax import linen as nn
 
 import cola_jax as cola
-from benchmarks.harness import data, models, records, report
+from benchmarks.harness import cli, data, models, records, report
 from benchmarks.harness.timing import compile_cost, measure_pair, pair_summary
 
 METHODS = ("adam", "constrained_adam", "cola_ud", "flax_spectral_norm")
@@ -224,6 +224,7 @@ def certified(logits: np.ndarray, labels: np.ndarray, lipschitz: float, radii) -
 
 @functools.partial(jax.jit, static_argnums=0)
 def logits_of(model: LipschitzMLP, variables: dict, x: jax.Array):
+  """The logits of the rows of ``x``, in evaluation mode."""
   return model.apply(variables, x)
 
 
@@ -261,6 +262,7 @@ def measure(model: LipschitzMLP, variables: dict, dataset: data.Dataset, args, s
     "certified_accuracy": robust,
     "lipschitz_bound": lipschitz,
     "layer_norms": norms,
+    "max_layer_norm": max(norms),
     "empirical_lipschitz_jacobian": float(jac.max()),
     "empirical_lipschitz_pairs": float(pair_ratios(logits, dataset.x_test, args.pairs, seed).max()),
   }
@@ -339,8 +341,7 @@ KEYS = (
 
 def entry(measured: list[dict], histories: list[dict], radii) -> dict:
   """A method's JSON entry from its seeds' measurements and histories: per-seed lists and their means."""
-  out: dict[str, Any] = {k: [m[k] for m in measured] for k in KEYS if k != "max_layer_norm"}
-  out["max_layer_norm"] = [max(m["layer_norms"]) for m in measured]
+  out: dict[str, Any] = {k: [m[k] for m in measured] for k in KEYS}
   out["layer_norms"] = [m["layer_norms"] for m in measured]
   out["certified_accuracy"] = {f"{r:g}": [m["certified_accuracy"][i] for m in measured] for i, r in enumerate(radii)}
   out["summary"] = {
@@ -423,7 +424,9 @@ def cli_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
     description=(__doc__ or "").split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
   )
-  p.add_argument("--methods", default=",".join(METHODS[1:]), help="comma list of methods against adam")
+  p.add_argument(
+    "--methods", type=cli.choices(METHODS[1:]), default=",".join(METHODS[1:]), help="comma list of methods against adam"
+  )
   p.add_argument("--seeds", type=int, default=5, help="seeds 0..seeds-1, one after another")
   p.add_argument("--epochs", type=int, default=3, help="training epochs")
   p.add_argument("--batch", type=int, default=256, help="minibatch size")
@@ -449,7 +452,7 @@ def parse_args(argv):
     for key in ("epochs", "seeds", "batch", "jacobian_points", "pairs"):
       setattr(args, key, SMOKE[key])
     args.repetitions, args.budget = 2, 0.5
-  args.methods = ("adam", *cli_choices(p, args.methods))
+  args.methods = ("adam", *args.methods)
   if min(args.seeds, args.epochs, args.batch, args.jacobian_points, args.pairs) < 1:
     p.error("--seeds, --epochs, --batch, --jacobian-points and --pairs must be positive")
   if min(args.radii) <= 0:
@@ -457,14 +460,6 @@ def parse_args(argv):
   args.radii = sorted(args.radii)
   args.hp = {k: getattr(args, k) for k in DEFAULTS}
   return args
-
-
-def cli_choices(p: argparse.ArgumentParser, text: str) -> tuple:
-  names = [s.strip() for s in text.split(",") if s.strip()]
-  unknown = [n for n in names if n not in METHODS[1:]]
-  if unknown or not names:
-    p.error(f"--methods: unknown {unknown or text!r}; choose from {', '.join(METHODS[1:])}")
-  return tuple(n for n in METHODS[1:] if n in names)
 
 
 def load(args) -> data.Dataset:
