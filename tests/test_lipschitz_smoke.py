@@ -152,7 +152,16 @@ def test_the_guide_quotes_the_committed_run(lipschitz):
   run = json.loads((ROOT / "results" / "comparisons" / "lipschitz.json").read_text())
   assert run["status"] == "complete" and run["config"]["hyperparameters"] == lipschitz.DEFAULTS
   assert run["config"]["widths"] == list(lipschitz.WIDTHS) and len(run["seeds"]) == 5
-  quoted = []
+  defaults = lipschitz.cli_parser().parse_args([])
+  for key in ("epochs", "batch", "radii", "jacobian_points", "pairs"):  # the committed run is the default protocol
+    assert run["config"][key] == getattr(defaults, key), key
+  config = run["config"]
+  quoted = [
+    f"{config['epochs']} epochs of minibatches of {config['batch']}",
+    f"first {config['jacobian_points']:,} test images",
+    f"certified at {config['radii'][0]:.1f}",
+    *(f"at {r:.1f}" for r in config["radii"][1:]),
+  ]
   for r in run["results"].values():
     quoted.append(report.pm(r["test_accuracy"], 100, 1))
     quoted += [report.pm(v, 100, 1) for v in r["certified_accuracy"].values()]
