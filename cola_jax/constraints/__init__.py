@@ -1,6 +1,6 @@
 """Constraint manifolds, one module each."""
 
-from cola_jax.constraints.base import Constraint, Euclidean
+from cola_jax.constraints.base import Constraint, ConstraintState, Euclidean
 from cola_jax.constraints.box import Box, BoxState
 from cola_jax.constraints.circle import Circle, CircleState
 from cola_jax.constraints.implicit import Implicit, ImplicitState
@@ -16,6 +16,7 @@ __all__ = [
   "Circle",
   "CircleState",
   "Constraint",
+  "ConstraintState",
   "Euclidean",
   "Implicit",
   "ImplicitState",

@@ -254,6 +254,10 @@ class MaxSpectralNorm(Constraint):
     w = from_tall_view(q[..., :n, :], param, self.row_axes, self.column_axes)
     return w, self._state(q[..., n:, :], jnp.asarray(self.radius, q.dtype), point.info)
 
+  def residual(self, param, aux):
+    """:meth:`MaxSpectralNormState.residual`."""
+    return aux.residual(param)
+
   def ambient_gradient(self, point, grad):
     g = self._tall(grad).astype(point.matrix.dtype)
     return jnp.concatenate([g, jnp.zeros(g.shape[:-2] + (g.shape[-1],) * 2, g.dtype)], axis=-2)

@@ -478,6 +478,10 @@ class Orthogonal(Constraint):
   def unpack(self, point, param):
     return self._untall(point.matrix, param), point.info
 
+  def residual(self, param, aux):
+    """:meth:`ProjectionInfo.residual`."""
+    return aux.residual(param)
+
   def ambient_gradient(self, point, grad):
     return self._tall(grad)
 
