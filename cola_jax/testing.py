@@ -299,7 +299,8 @@ class _Check:
       params, state = carry
       updates, state = tx.update(params - target, state, params)
       params = params + updates
-      return (params, state), (params, c.residual(params, state.constraint_states))
+      aux = state.constraint_states  # pyright: ignore[reportAttributeAccessIssue]  (cola_ud's state)
+      return (params, state), (params, c.residual(params, aux))
 
     @jax.jit
     def run(params):

@@ -106,7 +106,8 @@ def _custom_constraint(ns):
     assert residuals["bias"] is None and float(residuals["kernel"]) <= bound
   for kernel in (ns["ud_params"]["kernel"], ns["adam_params"]["kernel"]):
     assert float(jnp.max(jnp.abs(kernel.sum(axis=0)))) <= bound * float(jnp.max(jnp.abs(kernel).sum(axis=0)))
-  assert float(ns["ud_loss"]) < 1e-3 * float(ns["start_loss"]) and float(ns["adam_loss"]) < 1e-3 * float(ns["start_loss"])
+  start_loss = float(ns["start_loss"])
+  assert float(ns["ud_loss"]) < 1e-3 * start_loss and float(ns["adam_loss"]) < 1e-3 * start_loss
 
 
 def _from_sgd_momentum(ns):
