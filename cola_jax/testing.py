@@ -175,6 +175,7 @@ class _Check:
     return {
       "ambient_size": sum(a.size for a in jax.tree.leaves(v)),
       "w": w,
+      "nearest_of_x": c.nearest(x),
       "nearest_of_w": c.nearest(w),
       "residual": c.residual(w, aux),
       "v": v,
@@ -206,6 +207,12 @@ class _Check:
   def check_projection(self, s):
     w = s["w"]
     scale = max(float(np.max(np.abs(w))), 1e-30)
+    self.at_most(
+      "projection",
+      "max |nearest(x) - w| / max |w| (nearest is not where the first update starts)",
+      _max_abs(s["nearest_of_x"], w) / scale,
+      self.bound,
+    )
     self.at_most("projection", "residual(nearest(x))", s["residual"], self.residual_bound)
     self.at_most(
       "projection",
