@@ -4,7 +4,7 @@ Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of Neural
 Networks*, OPT2020.
 """
 
-from cola_jax import langevin
+from cola_jax import langevin, testing
 from cola_jax.alias import (
   c_cola_od,
   c_cola_ud,
@@ -22,6 +22,7 @@ from cola_jax.constraints import (
   Circle,
   CircleState,
   Constraint,
+  ConstraintState,
   Implicit,
   ImplicitState,
   MaxNorm,
@@ -52,6 +53,7 @@ __all__ = [
   "CircleState",
   "ConstrainedState",
   "Constraint",
+  "ConstraintState",
   "DirectionInfo",
   "Implicit",
   "ImplicitState",
@@ -86,5 +88,6 @@ __all__ = [
   "path_constraints",
   "project_params",
   "sgd_momentum_to_langevin",
+  "testing",
   "with_constraint",
 ]

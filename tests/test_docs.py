@@ -99,6 +99,17 @@ def _implicit(ns):
   assert bool(ns["opt_state"].constraint_states["kernel"].converged)
 
 
+def _custom_constraint(ns):
+  # check_constraint's rounding bound for the 4 x 3 kernel: each update lands on the set, then params + updates rounds.
+  bound = 2 * (12 + 2) * float(jnp.finfo(jnp.float32).eps)
+  for residuals in (ns["ud_residuals"], ns["adam_residuals"]):
+    assert residuals["bias"] is None and float(residuals["kernel"]) <= bound
+  for kernel in (ns["ud_params"]["kernel"], ns["adam_params"]["kernel"]):
+    assert float(jnp.max(jnp.abs(kernel.sum(axis=0)))) <= bound * float(jnp.max(jnp.abs(kernel).sum(axis=0)))
+  start_loss = float(ns["start_loss"])
+  assert float(ns["ud_loss"]) < 1e-3 * start_loss and float(ns["adam_loss"]) < 1e-3 * start_loss
+
+
 def _from_sgd_momentum(ns):
   assert ns["h"] == pytest.approx(0.1**0.5) and ns["gamma"] == pytest.approx(-jnp.log(0.9) / 0.1**0.5)
 
@@ -116,6 +127,7 @@ CLAIMS = {  # a line of a block -> the check of what its comments say
   "opt_state.constraint_states['kernel'].converged": _implicit,
   "query = model.attention.query.kernel[...]": _attention_per_head,
   "h, gamma = cola.sgd_momentum_to_langevin(0.1, 0.9)": _from_sgd_momentum,
+  "ud_loss, adam_loss = loss(ud_params), loss(adam_params)": _custom_constraint,
 }
 WITH_CODE = [p for p in PAGES if _blocks(p)]
 

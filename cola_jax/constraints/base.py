@@ -1,35 +1,120 @@
-"""What a constraint manifold provides to the Langevin maps.
+r"""The constraint protocol: what a constraint manifold provides to the Langevin maps and the optimizers.
 
 A constraint acts on one parameter leaf. Its *point* is the leaf's position on
 the manifold in whatever coordinates the geometry prefers (a slack variable
 beside the weights, a tall matrix view of a kernel), its *momentum* lives in the
 cotangent space at that point, in the geometry's own coordinates. The Langevin
-maps in :mod:`cola_jax.langevin` only combine these operations; they know
+maps in :mod:`cola_jax.langevin`, :func:`~cola_jax.constrained` and
+:func:`~cola_jax.manifold_muon` only combine these operations; they know
 nothing about a particular manifold.
 
 Every method is a pure function of arrays, safe under ``jit`` and ``vmap``.
+A new constraint writes :meth:`Constraint.project` and
+:meth:`Constraint.cotangent`; see :class:`Constraint` for the rest and
+``docs/guides/custom_constraint.md`` for a worked example, and check it with
+:func:`cola_jax.testing.check_constraint`.
 """
 
 import abc
+import dataclasses
+import functools
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from cola_jax import _compiled, _noise
-from cola_jax._numerics import explicit_sharding
+from cola_jax._numerics import explicit_sharding, max_abs
 
 Point = Any
 Momentum = Any
 Aux = Any
 
 
-class Constraint(abc.ABC):
-  """A manifold ``{q : g(q) = 0}`` for one parameter leaf.
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["slack"], meta_fields=["constraint"])
+@dataclasses.dataclass(frozen=True)
+class ConstraintState:
+  """The auxiliary state of a leaf whose constraint keeps no state of its own: its slack variables, if any.
 
-  Subclasses are frozen dataclasses: hashable, comparable, and free of arrays
-  other than hyperparameters, so that transforms can be rebuilt inside
-  ``optax.inject_hyperparams`` without recompiling.
+  What :meth:`Constraint.init` returns by default (``slack=None``). A
+  constraint with slack variables may return it too, with the slacks in
+  ``slack`` (any pytree of arrays). ``constraint`` is static (part of the tree
+  structure), so that :func:`~cola_jax.constraint_residuals` finds the
+  constraint's :meth:`~Constraint.residual` from the state alone.
+
+  Example:
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> class Sphere(cola.Constraint):  # |w| = 1, no slack: two methods
+    ...   def project(self, anchor, step):
+    ...     moved = anchor + step
+    ...     return moved / jnp.linalg.norm(moved)
+    ...   def cotangent(self, point, vector):
+    ...     return vector - jnp.vdot(point, vector) * point
+    >>> sphere = Sphere()
+    >>> state = sphere.init(jnp.array([3.0, 4.0]))
+    >>> state.slack is None, state.constraint is sphere
+    (True, True)
+    >>> float(state.residual(jnp.array([0.6, 0.8])))  # on the sphere
+    0.0
+  """
+
+  slack: Any = None
+  constraint: "Constraint | None" = None
+
+  def residual(self, param: jax.Array) -> jax.Array:
+    """The constraint's :meth:`~Constraint.residual` of ``param`` with this state."""
+    if self.constraint is None:
+      raise ValueError("ConstraintState.residual: the state names no constraint (constraint=None).")
+    return self.constraint.residual(param, self)
+
+
+class Constraint(abc.ABC):
+  r"""A manifold ``M = {q : g(q) = 0}`` for one parameter leaf: the protocol a constraint implements.
+
+  The leaf ``x`` (with slack variables ``s``, if the geometry has them:
+  ``q = (x, s)``) moves on ``M``, a smooth submanifold of an ambient Euclidean
+  space ``R^N``. The Langevin maps and the optimizers need five operations:
+
+  * the projection onto ``M`` of an ambient step from a point,
+    ``project(q, D) = P(q + D) in M``, which lands on ``M`` for every finite
+    step: the nearest point, or the point along the normals at ``q``
+    (SHAKE, ``q + D + G(q)^T lambda``, ``G = dg/dq``);
+  * the orthogonal projection onto the tangent space,
+    ``Pi(q) v = v - G^T (G G^T)^{-1} G v``, which is also the projection onto
+    the cotangent space (the metric is Euclidean): ``cotangent(q, v)``;
+  * the free flight on ``M`` (the A step) over time ``h``, by default RATTLE
+    through :meth:`project`,
+
+    .. math::
+      q' = P(q + h p), \qquad p' = \Pi(q')\Big(p + \frac{q' - (q + h p)}{h}\Big)
+         = \Pi(q')\,\frac{q' - q}{h};
+
+  * a retraction ``R(q, v)`` (``R(q, 0) = q``, first order along ``v``) for
+    :func:`~cola_jax.constrained`, by default the A step for unit time
+    (``P(q + v)`` with the default A step);
+  * standard normal ambient vectors for the noise, by default
+    ``jax.random.normal`` for each array of the point.
+
+  So a constraint without slack variables writes two methods,
+  :meth:`project` and :meth:`cotangent`; every other method has a default
+  built on them. Its point is then the leaf itself, re-established each
+  update by ``project(x, 0)`` (so rounding in ``params + updates`` never
+  accumulates), its state a :class:`ConstraintState`, its momentum an
+  ambient vector shaped like the leaf, and its :meth:`residual` how far that
+  re-establishment moves the leaf (override it with ``max |g(x)|`` where
+  ``g`` is at hand). A constraint with slack variables (an inequality
+  ``d(x) <= 0`` as ``d(x) + s^2 = 0``) writes :meth:`init` (the slacks of a
+  new leaf), :meth:`point` (the leaf and its slacks as one point) and
+  :meth:`unpack` (the way back), and :meth:`ambient_gradient` (the loss
+  gradient, zero on the slacks). A geometry with an exact geodesic flow,
+  a frame of its tangent spaces or a cheaper noise overrides the rest; each
+  default says what it computes.
+
+  Subclasses are hashable and comparable (frozen dataclasses, say) and hold
+  no arrays other than static hyperparameters, so that transforms can be
+  rebuilt inside ``optax.inject_hyperparams`` without recompiling.
+  :func:`cola_jax.testing.check_constraint` checks an implementation against
+  this protocol.
 
   Example:
     >>> import jax.numpy as jnp, cola_jax as cola
@@ -38,7 +123,7 @@ class Constraint(abc.ABC):
     (True, True)
     >>> w = circle.nearest(jnp.array([0.7, -0.2]))  # the leaf on the manifold
     >>> aux = circle.init(w)  # its auxiliary state
-    >>> w, float(aux.residual(w))
+    >>> w, float(circle.residual(w, aux))
     (Array([ 0.495, -0.2  ], dtype=float32), 0.0)
   """
 
@@ -53,60 +138,102 @@ class Constraint(abc.ABC):
   project_noise_with_force: ClassVar[bool] = False
   # How momenta (and the tangent vectors of :func:`~cola_jax.constrained`) are
   # stored: "ambient", as vectors of the ambient space whose tangent part
-  # ``cotangent`` takes; "frame", as coordinates in a frame of the tangent
-  # space (tangent whatever their values).
+  # ``cotangent`` takes; "frame", as coordinates in an orthonormal frame of the
+  # tangent space (tangent whatever their values; :meth:`momentum_vector`
+  # gives the ambient vector).
   momentum_coordinates: ClassVar[str] = "ambient"
+
+  # What every constraint writes.
+
+  @abc.abstractmethod
+  def project(self, anchor: Point, step: Any) -> Point:
+    """The point of the manifold reached by the ambient ``step`` from ``anchor``.
+
+    ``anchor + step`` is generally off the manifold; it is corrected along the
+    constraint force of the geometry's choice (the nearest point, or along
+    the normals at ``anchor``). It must land on the manifold for every finite
+    ``anchor + step`` and give NaN for a NaN input.
+    """
+
+  @abc.abstractmethod
+  def cotangent(self, point: Point, vector: Any) -> Momentum:
+    """Orthogonal projection of an ambient vector onto the cotangent space, in momentum coordinates."""
+
+  # Defaults: a leaf without slack variables, stepped through project and cotangent.
 
   def validate(self, param: jax.Array, path: str) -> None:
     """Raises ValueError naming ``path`` if the leaf cannot carry this constraint."""
 
-  @abc.abstractmethod
   def init(self, param: jax.Array) -> Aux:
     """The auxiliary state (slack variables, diagnostics) for a new leaf.
 
-    It has a method ``residual(param)``: how far ``param`` (with this state) is
-    from the manifold, as a scalar.
+    By default a :class:`ConstraintState` without slacks.
     """
+    return ConstraintState(constraint=self)
+
+  def point(self, param: jax.Array, aux: Aux) -> Point:
+    """The point on the manifold re-established from the current parameter.
+
+    Rounding in ``params + updates`` and parameters that start off the manifold
+    are corrected here, so that error never accumulates over steps. By
+    default the leaf projected from itself, ``project(param, 0)``.
+    """
+    return self.project(param, jnp.zeros_like(param))
+
+  def unpack(self, point: Point, param: jax.Array) -> tuple[jax.Array, Aux]:
+    """The parameter value (shaped like ``param``) and auxiliary state of a point.
+
+    By default the point is the parameter, and the state :meth:`init`'s of it.
+    """
+    return point, self.init(point)
+
+  def residual(self, param: jax.Array, aux: Aux) -> jax.Array:
+    """How far ``param`` (with its state ``aux``) is from the manifold, a scalar.
+
+    What :func:`~cola_jax.constraint_residuals` reports for the leaf.
+
+    By default how far re-establishing the point moves the parameter,
+    relative to its largest entry, ``max |x - P(x)| / max |x|`` with ``P`` the
+    projection of :meth:`point`, computed in at least float32 (NaN shows as
+    ``inf``). A constraint given by a function ``g`` of order one returns
+    ``max |g(x)|`` instead.
+    """
+    dtype = jnp.promote_types(param.dtype, jnp.float32)  # float64 stays float64
+    x = param.astype(dtype)
+    moved = self.unpack(self.point(param, aux), param)[0].astype(dtype)
+    return max_abs(moved - x) / jnp.maximum(max_abs(x), jnp.finfo(dtype).tiny)
 
   def nearest(self, param: jax.Array) -> jax.Array:
     """The parameter value on the manifold that the first update would start from."""
     return _compiled.call(_nearest_from_itself, (self,), param)
 
-  @abc.abstractmethod
-  def point(self, param: jax.Array, aux: Aux) -> Point:
-    """The point on the manifold re-established from the current parameter.
+  def ambient_gradient(self, point: Point, grad: jax.Array) -> Any:
+    """The loss gradient as a vector of the ambient space (zero on slacks).
 
-    Rounding in ``params + updates`` and parameters that start off the manifold
-    are corrected here, so that error never accumulates over steps.
+    By default the gradient itself (the point is the leaf).
     """
+    return grad
 
-  @abc.abstractmethod
-  def unpack(self, point: Point, param: jax.Array) -> tuple[jax.Array, Aux]:
-    """The parameter value (shaped like ``param``) and auxiliary state of a point."""
-
-  @abc.abstractmethod
-  def ambient_gradient(self, point: Point, grad: jax.Array) -> Point:
-    """The loss gradient as a vector of the ambient space (zero on slacks)."""
-
-  @abc.abstractmethod
-  def ambient_normal(self, key: jax.Array, point: Point) -> Point:
+  def ambient_normal(self, key: jax.Array, point: Point) -> Any:
     """A standard normal vector of the ambient space.
 
     A draw reads only the point's shapes, dtypes and shardings, never its
-    values, so that the transforms can draw it apart from the step.
+    values, so that the transforms can draw it apart from the step. By default
+    ``jax.random.normal`` for each array of the point, from its own key.
     """
+    arrays, treedef = jax.tree.flatten(point)
+    keys = [key] if len(arrays) == 1 else list(jax.random.split(key, len(arrays)))
+    draws = [jax.random.normal(k, a.shape, a.dtype, out_sharding=explicit_sharding(a)) for k, a in zip(keys, arrays)]
+    return treedef.unflatten(draws)
 
-  @abc.abstractmethod
-  def project(self, anchor: Point, step: Point) -> Point:
-    """The point of the manifold reached by the ambient ``step`` from ``anchor``.
+  def momentum_vector(self, point: Point, momentum: Momentum) -> Any:
+    """The ambient (tangent) vector of a momentum given in this geometry's coordinates.
 
-    ``anchor + step`` is generally off the manifold; it is corrected along the
-    constraint force of the geometry's choice.
+    By default the momentum itself (``momentum_coordinates = "ambient"``); a
+    geometry whose momenta are coordinates in a frame maps them to the
+    vector, an isometry onto the tangent space.
     """
-
-  @abc.abstractmethod
-  def cotangent(self, point: Point, vector: Point) -> Momentum:
-    """Orthogonal projection of an ambient vector onto the cotangent space."""
+    return momentum
 
   def projected_gradient(self, point: Point, grad: jax.Array) -> Momentum:
     """The loss gradient projected onto the cotangent space: ``Pi(q) grad V(q)``.
@@ -148,9 +275,29 @@ class Constraint(abc.ABC):
     """The stored form of a momentum (shaped like the leaf)."""
     return momentum
 
-  @abc.abstractmethod
   def a_step(self, point: Point, momentum: Momentum, h) -> tuple[Point, Momentum]:
-    """The constrained free flight (the A step) over time ``h``."""
+    """The constrained free flight (the A step) over time ``h``.
+
+    By default RATTLE through :meth:`project`: the point moves to
+    ``q' = project(q, h v)`` (``v`` the momentum's vector,
+    :meth:`momentum_vector`), and the momentum takes the same constraint
+    impulse and is projected onto the cotangent space at ``q'``; at ``h = 0``
+    nothing moves. Where :meth:`project` is SHAKE along the normals at ``q``
+    this is the symplectic, time-reversible RATTLE; with another projection
+    (the nearest point) a consistent first-order flight.
+    """
+    step = jax.tree.map(lambda v: h * v, self.momentum_vector(point, momentum))
+    new = self.project(point, step)
+    moving = h != 0
+    inverse_h = jnp.where(moving, 1 / jnp.where(moving, h, 1), 0)
+    velocity = jax.tree.map(
+      lambda v, q1, q0, d: v + jnp.where(moving, (q1 - q0 - d) * inverse_h, 0),
+      self.momentum_vector(point, momentum),
+      new,
+      point,
+      step,
+    )
+    return new, self.cotangent(new, velocity)
 
   def retract(self, point: Point, tangent: Momentum) -> Point:
     """The point reached from ``point`` by the tangent vector ``tangent`` (in momentum coordinates).
@@ -159,7 +306,8 @@ class Constraint(abc.ABC):
     :func:`~cola_jax.constrained` moves the leaf by; it must exist for every
     finite vector, since an optimizer's step can be of any size. By default
     the A step for unit time: the exact geodesic flow where the geometry has
-    one. A geometry whose A step can reject a step overrides it.
+    one (with the default A step, ``project(q, v)``). A geometry whose A step
+    can reject a step overrides it.
     """
     return self.a_step(point, tangent, 1.0)[0]
 
@@ -188,9 +336,6 @@ class Euclidean(Constraint):
 
   def unpack(self, point, param):
     return point, None
-
-  def ambient_gradient(self, point, grad):
-    return grad
 
   def ambient_normal(self, key, point):
     return _noise.normal_paired(key, point.shape, point.dtype, out_sharding=explicit_sharding(point))

@@ -145,6 +145,10 @@ class Box(Constraint):
     w = jnp.clip(theta + self._shift(dtype), jnp.asarray(self.lower, dtype), jnp.asarray(self.upper, dtype))
     return w, BoxState(slack=state.slack, center=self._shift(dtype), radius=state.radius)
 
+  def residual(self, param, aux):
+    """:meth:`BoxState.residual`."""
+    return aux.residual(param)
+
   # The rest is the circle's: a shift changes no gradient, noise or direction.
 
   def ambient_gradient(self, point, grad):
@@ -158,6 +162,9 @@ class Box(Constraint):
 
   def cotangent(self, point, vector):
     return self._circle.cotangent(point, vector)
+
+  def momentum_vector(self, point, momentum):
+    return self._circle.momentum_vector(point, momentum)
 
   def projected_gradient(self, point, grad):
     return self._circle.projected_gradient(point, grad)

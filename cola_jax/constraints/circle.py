@@ -179,6 +179,10 @@ class Circle(Constraint):
     # Rounding in the normalisation can leave |theta| one ulp above r.
     return jnp.clip(theta, -r, r), CircleState(slack=xi, radius=r)
 
+  def residual(self, param, aux):
+    """:meth:`CircleState.residual`."""
+    return aux.residual(param)
+
   def ambient_gradient(self, point, grad):
     theta, _ = point
     return grad, jnp.zeros_like(theta)
@@ -196,6 +200,12 @@ class Circle(Constraint):
     theta, xi = point
     v_theta, v_xi = vector
     return (v_theta * xi - v_xi * theta) * (1 / jnp.asarray(self.radius, theta.dtype))
+
+  def momentum_vector(self, point, momentum):
+    """``v (xi, -theta) / r``: the coordinate ``v`` along the unit tangent as a vector."""
+    theta, xi = point
+    inverse_r = 1 / jnp.asarray(self.radius, theta.dtype)
+    return momentum * xi * inverse_r, -momentum * theta * inverse_r
 
   def projected_gradient(self, point, grad):
     _, xi = point

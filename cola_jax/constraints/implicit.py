@@ -589,6 +589,10 @@ class Implicit(Constraint):
       constraint=self,
     )
 
+  def residual(self, param, aux):
+    """:meth:`ImplicitState.residual`."""
+    return aux.residual(param)
+
   def ambient_gradient(self, point, grad):
     """Ambient vectors and momenta are flat, ``(n + K,)``: the leaf's entries, then the slacks'."""
     return jnp.concatenate([grad.ravel(), jnp.zeros(point.slack.size, grad.dtype)])

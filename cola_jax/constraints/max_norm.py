@@ -327,6 +327,10 @@ class MaxNorm(Constraint):
     w = jnp.where(above, w * scale, w)
     return w, MaxNormState(slack=xi, radius=r)
 
+  def residual(self, param, aux):
+    """:meth:`MaxNormState.residual`."""
+    return aux.residual(param)
+
   def ambient_gradient(self, point, grad):
     _, xi = point
     return grad, jnp.zeros_like(xi)

@@ -76,27 +76,28 @@ References:
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 
 from cola_jax._hyperparameters import check_static_positive
-from cola_jax._numerics import max_abs, one_matrix_at_a_time, power_of_two_scale
+from cola_jax._numerics import one_matrix_at_a_time
 from cola_jax.constraints import _axes, stiefel_projection
 from cola_jax.constraints.base import Constraint
-from cola_jax.constraints.circle import START_INSIDE
-from cola_jax.constraints.orthogonal import (
-  Orthogonal,
-  ProjectionInfo,
-  StiefelPoint,
-  _each,
-  from_tall_view,
-  tall_view,
-)
+from cola_jax.constraints.circle import start_slack
+from cola_jax.constraints.orthogonal import Orthogonal, ProjectionInfo, StiefelPoint, from_tall_view, tall_view
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-_START_TAN = math.sqrt(1 - START_INSIDE**2) / START_INSIDE
+
+
+def _largest(x: jax.Array) -> jax.Array:
+  """``max |x|``, ``inf`` where an entry is NaN (XLA:CPU's vectorised ``max`` drops NaN)."""
+  return jnp.max(jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x)), initial=0)
+
+
+def _each(fn, matrices: jax.Array) -> jax.Array:
+  """``fn`` of one matrix, mapped over a stack ``(b, n, s)`` of them."""
+  return fn(matrices) if matrices.ndim == 2 else jax.vmap(fn)(matrices)
 
 
 @functools.partial(
@@ -137,7 +138,7 @@ class MaxSpectralNormState:
     r = self.radius.astype(dtype)
     gram = lambda m: jnp.matmul(jnp.swapaxes(m, -1, -2), m, precision=_HIGHEST)
     eye = jnp.eye(s.shape[-1], dtype=dtype)
-    return max_abs(gram(w) + gram(s) - (r * r) * eye) / (r * r)
+    return _largest(gram(w) + gram(s) - (r * r) * eye) / (r * r)
 
 
 def _start_slack(radius: float, w: jax.Array) -> jax.Array:
@@ -149,11 +150,14 @@ def _start_slack(radius: float, w: jax.Array) -> jax.Array:
   """
   x = w.astype(jnp.promote_types(w.dtype, jnp.float32)) / radius
   finite = jnp.all(jnp.isfinite(x))
-  c = jnp.minimum(power_of_two_scale(max_abs(x)), 1)  # scales only matrices with entries >= 1
+  # The power of two 2^(1 - e) with 1 <= m 2^(1 - e) < 2 (m = 2^e f, f in [1/2, 1); at least the smallest normal
+  # number): an exact scaling, applied only to matrices with entries >= 1 (a non-finite matrix is not read).
+  _, exponent = jnp.frexp(_largest(x))
+  c = jnp.minimum(jnp.ldexp(jnp.ones((), x.dtype), jnp.maximum(1 - exponent, jnp.finfo(x.dtype).minexp)), 1)
   xs = jnp.where(finite, x * c, 0)
   mu, v = one_matrix_at_a_time(jnp.linalg.eigh)(stiefel_projection.gram(xs, xs))  # c^2 sigma^2 / r^2
   mu = jnp.maximum(mu, 0)
-  xi = jnp.sqrt(jnp.maximum(c * c - mu, _START_TAN**2 * mu)) / c  # xi / r
+  xi = start_slack(c, mu) / c  # xi / r
   slack = radius * jnp.matmul(v * xi, v.T, precision=_HIGHEST)
   return jnp.where(finite, slack, jnp.nan).astype(w.dtype)
 
@@ -228,8 +232,12 @@ class MaxSpectralNorm(Constraint):
 
   @property
   def _stiefel(self) -> Orthogonal:
-    """The geometry of the stacked ``[W; S]``: the scaled Stiefel manifold, with Orthogonal's defaults."""
-    return Orthogonal(scale=self.radius)
+    """The geometry of the stacked ``[W; S]``, ``(n + s, s)`` or ``(b, n + s, s)``: the scaled Stiefel manifold.
+
+    Orthogonal's defaults, viewing the stack's last two axes as each matrix's rows and columns (the leading axis,
+    if any, the batch): its view of the stack is the stack itself.
+    """
+    return Orthogonal(scale=self.radius, row_axes=(-2,), column_axes=(-1,))
 
   def _tall(self, w):
     return tall_view(w, self.row_axes, self.column_axes)
@@ -246,13 +254,17 @@ class MaxSpectralNorm(Constraint):
     q = jnp.concatenate([self._tall(param), aux.slack.astype(param.dtype)], axis=-2)
     # A point off the stacked manifold (a start in or beyond the 1 % margin, a parameter changed outside the
     # optimizer) is replaced by r times its polar factor; rounding from params + updates is left to the step.
-    return self._stiefel._reproject(StiefelPoint(q, ProjectionInfo(aux.iterations, aux.converged)))
+    return self._stiefel.point(q, ProjectionInfo(aux.iterations, aux.converged))
 
-  def unpack(self, point, param):
+  def unpack(self, point: StiefelPoint, param):
     q = point.matrix
     n = q.shape[-2] - q.shape[-1]
     w = from_tall_view(q[..., :n, :], param, self.row_axes, self.column_axes)
     return w, self._state(q[..., n:, :], jnp.asarray(self.radius, q.dtype), point.info)
+
+  def residual(self, param, aux):
+    """:meth:`MaxSpectralNormState.residual`."""
+    return aux.residual(param)
 
   def ambient_gradient(self, point, grad):
     g = self._tall(grad).astype(point.matrix.dtype)

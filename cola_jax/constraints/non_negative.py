@@ -215,6 +215,10 @@ class NonNegative(Constraint):
     w, s = point
     return w, NonNegativeState(slack=s)
 
+  def residual(self, param, aux):
+    """:meth:`NonNegativeState.residual`."""
+    return aux.residual(param)
+
   def ambient_gradient(self, point, grad):
     w, _ = point
     return grad, jnp.zeros_like(w)
@@ -240,6 +244,12 @@ class NonNegative(Constraint):
     v_w, v_s = vector
     inverse = _inverse_length(s)
     return 2 * (s * inverse) * v_w + inverse * v_s
+
+  def momentum_vector(self, point, momentum):
+    """``v (2 s, 1) / n``: the coordinate ``v`` along the unit tangent as a vector."""
+    _, s = point
+    inverse = _inverse_length(s)
+    return 2 * (s * inverse) * momentum, inverse * momentum
 
   def cotangent_draw(self, key, point):
     """The cotangent noise's coordinates, shaped like ``w``."""

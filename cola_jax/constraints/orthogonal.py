@@ -245,6 +245,15 @@ class ProjectionInfo:
 
 
 class StiefelPoint(NamedTuple):
+  """The point of an :class:`Orthogonal` leaf: its tall matrix view and the diagnostics of its last projection.
+
+  What :meth:`Orthogonal.point`, :meth:`~Orthogonal.project`,
+  :meth:`~Orthogonal.a_step` and :meth:`~Orthogonal.retract` return, and
+  what :meth:`~Orthogonal.unpack` turns back into the leaf; a constraint
+  built on :class:`Orthogonal` (:class:`~cola_jax.MaxSpectralNorm`) reads its
+  ``matrix``.
+  """
+
   matrix: jax.Array  # Q, (r, s) with r >= s; (b, r, s) for a leaf of b matrices
   info: ProjectionInfo
 
@@ -477,6 +486,10 @@ class Orthogonal(Constraint):
 
   def unpack(self, point, param):
     return self._untall(point.matrix, param), point.info
+
+  def residual(self, param, aux):
+    """:meth:`ProjectionInfo.residual`."""
+    return aux.residual(param)
 
   def ambient_gradient(self, point, grad):
     return self._tall(grad)

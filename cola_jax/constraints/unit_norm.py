@@ -195,11 +195,9 @@ class UnitNorm(Constraint):
   def point(self, param, aux):
     return self._onto_norm(param)
 
-  def unpack(self, point, param):
-    return point, self.init(point)
-
-  def ambient_gradient(self, point, grad):
-    return grad
+  def residual(self, param, aux):
+    """:meth:`UnitNormState.residual`."""
+    return aux.residual(param)
 
   def ambient_normal(self, key, point):
     return _noise.normal_paired(key, point.shape, point.dtype, out_sharding=explicit_sharding(point))

@@ -24,6 +24,7 @@ GROUPS = {  # section title -> the modules (prefixes of ``__module__``) whose pu
   "Declaring constraints on the model": ("cola_jax.declared", "cola_jax.path_rules"),
   "Initialisation and diagnostics": ("cola_jax.initialization", "cola_jax.diagnostics"),
   "The Langevin steps": ("cola_jax.langevin",),
+  "Checking a constraint": ("cola_jax.testing",),
 }
 MORE = "More"
 # Classes whose methods are part of what a user calls or implements; the others show their docstring only.

@@ -1,0 +1,54 @@
+"""The shared registry of constraints: one case per built-in constraint, and variants, for generic tests.
+
+A case is ``(id, constraint, shape)``: a constraint of the catalog and a leaf
+shape it accepts. ``CASES`` holds one case per constraint class (the quick
+suite runs them all); ``VARIANTS`` other views, solvers and options of the
+same classes (slow). A test that holds for every constraint iterates
+``CASES + VARIANTS`` through :func:`params`.
+"""
+
+import jax.numpy as jnp
+import pytest
+
+import cola_jax as cola
+
+
+def _unit_sphere(w):
+  return jnp.atleast_1d(jnp.sum(w * w) - 1)
+
+
+def _column_sums_and_norm(w):
+  return jnp.stack([jnp.sum(w), jnp.sum(w * w) - 1])
+
+
+CASES = [
+  ("circle", cola.Circle(0.5), (3, 2)),
+  ("box", cola.Box(-0.5, 1.5), (4,)),
+  ("unit_norm", cola.UnitNorm(), (3, 2)),
+  ("max_norm", cola.MaxNorm(1.0), (3, 2)),
+  ("non_negative", cola.NonNegative(), (5,)),
+  ("orthogonal", cola.Orthogonal(), (5, 3)),
+  ("orthogonal_scaled_wide", cola.Orthogonal(scale=2.0), (3, 5)),
+  ("max_spectral_norm", cola.MaxSpectralNorm(1.0), (5, 3)),
+  ("implicit", cola.Implicit(equality=_unit_sphere), (4,)),
+]
+
+VARIANTS = [
+  ("unit_norm_all", cola.UnitNorm(2.0, axis="all"), (3, 2)),
+  ("max_norm_all", cola.MaxNorm(0.5, axis="all"), (3, 2)),
+  ("orthogonal_per_matrix", cola.Orthogonal(row_axes=(1,), column_axes=(2,)), (2, 4, 3)),
+  ("orthogonal_newton", cola.Orthogonal(projection="newton"), (5, 3)),
+  ("orthogonal_square_root", cola.Orthogonal(projection="square_root"), (4, 4)),
+  ("max_spectral_norm_per_matrix", cola.MaxSpectralNorm(0.5, row_axes=(1,), column_axes=(2,)), (2, 4, 3)),
+  ("implicit_inequality", cola.Implicit(inequality=_unit_sphere), (4,)),
+  ("implicit_per_unit", cola.Implicit(equality=_column_sums_and_norm, axis=(0,)), (3, 2)),
+]
+
+
+def params(cases=None) -> list:
+  """``pytest.param(constraint, shape, id=id)`` for each case, those of ``VARIANTS`` marked slow."""
+  if cases is not None:
+    return [pytest.param(c, shape, id=name) for name, c, shape in cases]
+  quick = [pytest.param(c, shape, id=name) for name, c, shape in CASES]
+  slow = [pytest.param(c, shape, id=name, marks=pytest.mark.slow) for name, c, shape in VARIANTS]
+  return quick + slow
