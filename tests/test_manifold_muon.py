@@ -10,7 +10,7 @@ import pytest
 from scipy import optimize
 
 import cola_jax as cola
-from cola_jax.manifold_muon import _admm, steepest_tangent_direction
+from cola_jax.stiefel_direction import _admm, steepest_tangent_direction
 
 
 def _stiefel(rng, n, p):
