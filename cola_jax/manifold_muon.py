@@ -78,7 +78,7 @@ def manifold_muon(
   constraints: ConstraintSpec = None,
   momentum: float = 0.95,
   nesterov: bool = True,
-  tolerance: float = 1e-6,
+  tolerance: float = 1e-3,
   max_iterations: int = 300,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Manifold Muon: Muon's spectral-norm steepest descent inside the tangent space of the Stiefel manifold.
@@ -118,7 +118,8 @@ def manifold_muon(
       constrained"); the others are free.
     momentum: ``beta`` in ``[0, 1)``; 0 gives the reference's rule (no momentum).
     nesterov: whether ``d`` looks ahead (as ``optax.contrib.muon``).
-    tolerance: the residuals at which the direction's ADMM stops.
+    tolerance: the duality gap at which the direction's ADMM stops: ``<d, A>`` within this fraction of its
+      maximum (:class:`DirectionInfo`).
     max_iterations: the bound on its iterations per matrix and step.
 
   Returns:
