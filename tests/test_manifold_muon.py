@@ -90,7 +90,7 @@ def test_square_closed_form_equals_the_iterative_solution():
   assert int(info.iterations) == 0
   # The same problem in the coordinates of the tall case with an empty complement: W^T G alone.
   coordinates = jnp.asarray(w.T @ g / np.linalg.norm(g))
-  omega, iterations, gap = _admm(coordinates, 6, 1e-6, 2000)
+  omega, iterations, gap, _ = _admm(coordinates, 6, 1e-6, 2000, jnp.zeros((6, 6)))
   assert int(iterations) > 0 and float(gap) <= 1e-6
   np.testing.assert_allclose(np.asarray(closed), w @ np.asarray(omega), atol=2e-5)
   assert np.abs(np.asarray(omega) + np.asarray(omega).T).max() < 1e-5  # skew: tangent

@@ -10,6 +10,9 @@ variants:
 
 * ``admm_gap_<tol>``: :func:`cola_jax.stiefel_direction.steepest_tangent_direction`
   stopped at a certified gap ``tol`` (its iterations and gap recorded);
+* ``admm_gap_<tol>_warm``: the same, its ADMM started from the multiplier
+  that the last step's solve of the kernel ended with (a warm start;
+  ``manifold_muon``'s state does not carry it yet);
 * ``admm_<k>_iterations``: the same ADMM stopped after ``k`` iterations;
 * ``projected_msign``: ``P_T(msign(d))`` scaled to unit spectral norm, the
   direction of ``cola.constrained(optax.contrib.muon)`` (its update is
@@ -50,7 +53,7 @@ from benchmarks.comparisons.muon_protocol import (
 )
 from benchmarks.harness.records import write_report
 from benchmarks.harness.train import SOFTMAX, seed_keys
-from cola_jax.stiefel_direction import steepest_tangent_direction
+from cola_jax.stiefel_direction import _steepest_tangent_direction, steepest_tangent_direction
 
 MOMENTUM = 0.95
 LEARNING_RATE = 0.1
@@ -67,17 +70,25 @@ def _unit_tangent(w, x):
   return t / jnp.linalg.norm(t, 2)
 
 
-def variants(gap_tolerances, iteration_counts) -> dict:
-  """name: a function ``(w, d) -> (A, iterations, certified gap or NaN)``."""
+def variants(gap_tolerances, warm_tolerances, iteration_counts) -> dict:
+  """name: a function ``(w, d, multiplier) -> (A, iterations, certified gap or NaN, multiplier)``; the
+  warm variants start from the multiplier their last call returned, the others ignore it."""
   nan = jnp.array(jnp.nan)
-  out = {}
-  for tol in gap_tolerances:
-    out[f"admm_gap_{tol:g}"] = functools.partial(steepest_tangent_direction, tolerance=tol, max_iterations=5000)
-  for k in iteration_counts:  # a tolerance below float32's certificates: it runs k iterations
-    out[f"admm_{k}_iterations"] = functools.partial(steepest_tangent_direction, tolerance=1e-12, max_iterations=k)
-  out = {name: (lambda f: lambda w, d: (lambda a, i: (a, i.iterations, i.gap))(*f(w, d)))(f) for name, f in out.items()}
-  out["projected_msign"] = lambda w, d: (_unit_tangent(w, _msign(d)), jnp.zeros((), jnp.int32), nan)
-  out["spel"] = lambda w, d: (_unit_tangent(w, _msign(_unit_tangent(w, d))), jnp.zeros((), jnp.int32), nan)
+
+  def admm(tolerance, max_iterations, warm):
+    def direction(w, d, multiplier):
+      start = multiplier if warm else jnp.zeros_like(multiplier)
+      a, info, multiplier = _steepest_tangent_direction(w, d, tolerance, max_iterations, start)
+      return a, info.iterations, info.gap, multiplier
+
+    return direction
+
+  out = {f"admm_gap_{tol:g}": admm(tol, 5000, False) for tol in gap_tolerances}
+  out.update({f"admm_gap_{tol:g}_warm": admm(tol, 5000, True) for tol in warm_tolerances})
+  # A tolerance below float32's certificates: it runs k iterations.
+  out.update({f"admm_{k}_iterations": admm(1e-12, k, False) for k in iteration_counts})
+  out["projected_msign"] = lambda w, d, lam: (_unit_tangent(w, _msign(d)), jnp.zeros((), jnp.int32), nan, lam)
+  out["spel"] = lambda w, d, lam: (_unit_tangent(w, _msign(_unit_tangent(w, d))), jnp.zeros((), jnp.int32), nan, lam)
   return out
 
 
@@ -116,13 +127,15 @@ def main(argv=None) -> dict:
   args = p.parse_args(argv)
   started = time.perf_counter()
   steps = 2 if args.smoke else args.steps
-  gap_tolerances, counts = ((1e-2,), (10,)) if args.smoke else ((1e-2, 1e-3, 1e-4), (10, 30, 100, 300))
-  fns = {name: jax.jit(f) for name, f in variants(gap_tolerances, counts).items()}
+  tolerances, warm, counts = (
+    ((1e-2,), (1e-2,), (10,)) if args.smoke else ((1e-2, 1e-3, 1e-4), (1e-3,), (10, 30, 100, 300))
+  )
+  fns = {name: jax.jit(f) for name, f in variants(tolerances, warm, counts).items()}
   exact = jax.jit(functools.partial(steepest_tangent_direction, tolerance=args.exact_tolerance, max_iterations=10000))
   pairs = trajectory(steps, args.smoke)
   layers = list(pairs[0])
   for w, d in pairs[0].values():  # compile
-    jax.block_until_ready([f(w, d) for f in fns.values()])
+    jax.block_until_ready([f(w, d, jnp.zeros((w.shape[1],) * 2)) for f in fns.values()])
   records = {
     name: {
       "ms": [],
@@ -133,6 +146,7 @@ def main(argv=None) -> dict:
     for name in fns
   }
   exact_gaps = {k: [] for k in layers}
+  multipliers = {name: {k: jnp.zeros((w.shape[1],) * 2) for k, (w, _) in pairs[0].items()} for name in fns}
   for pair in pairs:
     best = {}
     for k, (w, d) in pair.items():
@@ -143,7 +157,7 @@ def main(argv=None) -> dict:
       total = 0.0
       for k, (w, d) in pair.items():
         t0 = time.perf_counter()
-        a, iterations, gap = jax.block_until_ready(f(w, d))
+        a, iterations, gap, multipliers[name][k] = jax.block_until_ready(f(w, d, multipliers[name][k]))
         total += time.perf_counter() - t0
         value = float(np.sum(np.float64(d) * np.float64(a)))
         r = records[name]
