@@ -87,9 +87,14 @@ def variants(gap_tolerances, warm_tolerances, iteration_counts) -> dict:
   out.update({f"admm_gap_{tol:g}_warm": admm(tol, 5000, True) for tol in warm_tolerances})
   # A tolerance below float32's certificates: it runs k iterations.
   out.update({f"admm_{k}_iterations": admm(1e-12, k, False) for k in iteration_counts})
-  out["projected_msign"] = lambda w, d, lam: (_unit_tangent(w, _msign(d)), jnp.zeros((), jnp.int32), nan, lam)
-  out["spel"] = lambda w, d, lam: (_unit_tangent(w, _msign(_unit_tangent(w, d))), jnp.zeros((), jnp.int32), nan, lam)
-  return out
+
+  def projected_msign(w, d, multiplier):
+    return _unit_tangent(w, _msign(d)), jnp.zeros((), jnp.int32), nan, multiplier
+
+  def spel(w, d, multiplier):
+    return _unit_tangent(w, _msign(_unit_tangent(w, d))), jnp.zeros((), jnp.int32), nan, multiplier
+
+  return {**out, "projected_msign": projected_msign, "spel": spel}
 
 
 def trajectory(steps: int, smoke: bool):
