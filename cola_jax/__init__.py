@@ -40,8 +40,9 @@ from cola_jax.declared import constraints_from, with_constraint
 from cola_jax.diagnostics import constraint_residuals
 from cola_jax.hyperspherical import hyperspherical_descent
 from cola_jax.initialization import project_params
-from cola_jax.manifold_muon import DirectionInfo, ManifoldMuonState, manifold_muon
+from cola_jax.manifold_muon import ManifoldMuonState, manifold_muon
 from cola_jax.path_rules import path_constraints
+from cola_jax.stiefel_direction import DirectionInfo
 from cola_jax.transforms import OverdampedState, UnderdampedState, cola_od, cola_ud
 
 __version__ = "0.1.0"

@@ -25,7 +25,8 @@ JSON, so the slow reference can run in a process of its own.
 
 Run: ``python -m benchmarks.comparisons.muon`` then
 ``python -m benchmarks.comparisons.muon --reference /tmp/manifolds_ref/src --methods reference``;
-``--smoke`` runs a few steps in seconds.
+``--speed`` times manifold Muon against ``cola.constrained(optax.contrib.muon)``
+step by step, interleaved; ``--smoke`` runs a few steps in seconds.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from benchmarks.comparisons.muon_protocol import (
   init_params,
   load_data,
   step_trace,
+  timed_steps,
   train,
 )
 from benchmarks.comparisons.muon_report import merge, plot, replace_runs, table
@@ -198,6 +200,37 @@ def retime(args, path: str, names: list[str], ref_names: list[str], final) -> No
   merge(path, LABELS, update)
 
 
+def speed(args, path: str, names: list[str], final) -> None:
+  """ms/step of ``names`` interleaved: after two warm-up steps each (the first compiles), ``--speed-steps``
+  rounds, each one step of every method on the same batch; the medians, and each one's ratio to
+  ``muon_on_manifold``'s (``cola.constrained(optax.contrib.muon)``) when it is among them."""
+  with open(path) as f:
+    lrs = {r["method"]: r["lr"] for r in json.load(f)["runs"]}
+  steppers = {n: timed_steps(METHODS[n], lrs.get(n, 0.1), final, args.epochs) for n in names}
+  order = batch_orders(0, len(final.x_train), args.epochs)[0]
+  batches = [jnp.asarray(order[b * BATCH : (b + 1) * BATCH]) for b in range(args.speed_steps + 2)]
+  times = {n: [] for n in names}
+  for b, idx in enumerate(batches):
+    for n, stepper in steppers.items():
+      t = stepper(idx)
+      if b >= 2:
+        times[n].append(1e3 * t)
+  medians = {n: float(np.median(t)) for n, t in times.items()}
+  base = medians.get("muon_on_manifold")
+  entry = {
+    "what": f"median ms of one jitted step (gradient, update, apply), {args.speed_steps} steps each after two "
+    "warm-up steps, the methods interleaved step by step in one process, seed 0 from its initial weights",
+    "lr": {n: lrs.get(n, 0.1) for n in names},
+    "ms_per_step": medians,
+    "ms_each_step": times,
+    "ratio_to_muon_on_manifold": {n: m / base for n, m in medians.items()} if base else None,
+    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+  }
+  for n, m in medians.items():
+    print(f"{n:24s}: {m:.1f} ms/step" + (f", {m / base:.2f} x muon_on_manifold" if base else ""), flush=True)
+  merge(path, LABELS, lambda r: r.update(speed=entry))
+
+
 def run_reference(args, path: str, names: list[str], final) -> None:
   """The reference's rules at their default learning rates, seed after seed (each merged as it ends)."""
   rules = reference.load_rules(args.reference)
@@ -251,6 +284,12 @@ def main(argv=None) -> dict:
     action="store_true",
     help="only re-measure ms/step of the methods' runs in the JSON, at their learning rates, in this one process",
   )
+  p.add_argument(
+    "--speed",
+    action="store_true",
+    help="only the interleaved speed check of the methods (default: manifold_muon and muon_on_manifold)",
+  )
+  p.add_argument("--speed-steps", type=int, default=12, help="timed steps per method of --speed")
   p.add_argument("--fresh", action="store_true", help="start a new results JSON instead of merging into it")
   p.add_argument("--smoke", action="store_true", help="a few steps of one method (and of the reference's): seconds")
   args = p.parse_args(argv)
@@ -269,7 +308,9 @@ def main(argv=None) -> dict:
   if args.fresh and os.path.exists(path):
     os.remove(path)
 
-  requested = args.methods or ("manifold_muon" if args.smoke else "cola")
+  requested = args.methods or (
+    "manifold_muon" if args.smoke else "manifold_muon,muon_on_manifold" if args.speed else "cola"
+  )
   expand = {"cola": list(METHODS), "reference": list(REFERENCE), "all": [*METHODS, *REFERENCE]}
   names = list(dict.fromkeys(n for w in requested.split(",") if w.strip() for n in expand.get(w.strip(), [w.strip()])))
   unknown = [n for n in names if n not in LABELS]
@@ -314,7 +355,9 @@ def main(argv=None) -> dict:
   )
   for n, why in skipped.items():
     print(f"skipped {n}: {why}")
-  if args.retime:
+  if args.speed:
+    speed(args, path, cola_names, final)
+  elif args.retime:
     retime(args, path, cola_names, ref_names, final)
   else:
     run_cola(args, path, cola_names, validation, final)

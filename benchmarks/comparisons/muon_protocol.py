@@ -123,6 +123,28 @@ def train(method: Method, lr: float, data: datasets.Dataset, seeds, epochs: int)
   }
 
 
+def timed_steps(method: Method, lr: float, data: datasets.Dataset, epochs: int) -> Callable:
+  """A function of a batch's indices that takes one jitted training step of seed 0 (gradient, update,
+  apply) from where the last left off, and returns its seconds."""
+  tx = method.make(lr, schedule_for(lr, data, epochs))
+  params = on_manifold(init_params(seed_keys(0)[0]), method.manifold)
+  carry = [params, tx.init(params)]
+  x_train, y_train = jnp.asarray(data.x_train), jnp.asarray(data.y_train)
+
+  @jax.jit
+  def step(params, state, idx):
+    loss = lambda p: jnp.mean(SOFTMAX.loss(apply(p, x_train[idx]), y_train[idx]))
+    updates, state = tx.update(jax.grad(loss)(params), state, params)
+    return optax.apply_updates(params, updates), state
+
+  def timed(idx) -> float:
+    t0 = time.perf_counter()
+    carry[:] = jax.block_until_ready(step(*carry, idx))
+    return time.perf_counter() - t0
+
+  return timed
+
+
 def step_trace(method: Method, lr: float, data: datasets.Dataset, epochs: int, max_steps: int) -> dict:
   """Seed 0's first epoch (at most ``max_steps`` steps), one jitted step (gradient, update, apply) per call:
   the median ms of the steps after the first (which compiles) and, where the state has ``direction_info``

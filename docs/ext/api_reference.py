@@ -19,7 +19,7 @@ GROUPS = {  # section title -> the modules (prefixes of ``__module__``) whose pu
   "The paper's methods": ("cola_jax.alias",),
   "Constrained Langevin transforms": ("cola_jax.transforms",),
   "Any optax optimizer on the manifold": ("cola_jax.constrained",),
-  "Muon and the sphere": ("cola_jax.hyperspherical", "cola_jax.manifold_muon"),
+  "Muon and the sphere": ("cola_jax.hyperspherical", "cola_jax.manifold_muon", "cola_jax.stiefel_direction"),
   "Constraints": ("cola_jax.constraints",),
   "Declaring constraints on the model": ("cola_jax.declared", "cola_jax.path_rules"),
   "Initialisation and diagnostics": ("cola_jax.initialization", "cola_jax.diagnostics"),
