@@ -39,6 +39,7 @@ from cola_jax.declared import constraints_from, with_constraint
 from cola_jax.diagnostics import constraint_residuals
 from cola_jax.hyperspherical import hyperspherical_descent
 from cola_jax.initialization import project_params
+from cola_jax.langevin import Splitting
 from cola_jax.manifold_muon import DirectionInfo, ManifoldMuonState, manifold_muon
 from cola_jax.path_rules import path_constraints
 from cola_jax.transforms import OverdampedState, UnderdampedState, cola_od, cola_ud
@@ -65,6 +66,7 @@ __all__ = [
   "Orthogonal",
   "OverdampedState",
   "ProjectionInfo",
+  "Splitting",
   "UnderdampedState",
   "UnitNorm",
   "UnitNormState",
