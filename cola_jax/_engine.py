@@ -158,13 +158,24 @@ class Leaves:
     """Each leaf's constraint state for a new run, compiled as one program."""
     return _compiled.call(initial_auxes, (tuple(self.constraints),), self.compute)
 
-  def constraint_states(self, state, momenta: list | None = None) -> list:
-    """The leaves' constraint states in ``state``, checked against the parameters and their constraints.
+  def constraint_states(self, state) -> list:
+    """The leaves' constraint states in ``state``, checked against the parameters and their constraints."""
+    auxes = self.flatten(getattr(state, CONSTRAINT_STATES), f"state.{CONSTRAINT_STATES}")
+    self._check(auxes, [None] * len(auxes))
+    return auxes
 
-    ``momenta``: each leaf's stored momentum, checked too (None for a leaf that has none).
+  def constraint_states_and_momenta(self, state, skip: list[bool]) -> tuple[list, list]:
+    """As :meth:`constraint_states`, and each leaf's stored momentum in ``state.momentum``, checked too.
+
+    A leaf that ``skip`` names has no momentum (None).
     """
     auxes = self.flatten(getattr(state, CONSTRAINT_STATES), f"state.{CONSTRAINT_STATES}")
-    for i, (path, p, constraint, aux) in enumerate(zip(self.paths, self.compute, self.constraints, auxes)):
+    momenta = [None if s else m for m, s in zip(self.flatten(state.momentum, "state.momentum"), skip)]
+    self._check(auxes, momenta)
+    return auxes, momenta
+
+  def _check(self, auxes: list, momenta: list) -> None:
+    for path, p, constraint, aux, momentum in zip(self.paths, self.compute, self.constraints, auxes, momenta):
       structure, shapes = _expected(constraint, "init", p.shape, p.dtype)
       if jax.tree.structure(aux) != structure:
         raise ValueError(
@@ -173,8 +184,8 @@ class Leaves:
           "Re-initialise the optimizer when constraints or parameters change."
         )
       stored = list(zip(jax.tree.leaves(aux), shapes))
-      if momenta is not None and momenta[i] is not None:
-        stored += zip(jax.tree.leaves(momenta[i]), _expected(constraint, "zero_momentum", p.shape, p.dtype)[1])
+      if momentum is not None:
+        stored += zip(jax.tree.leaves(momentum), _expected(constraint, "zero_momentum", p.shape, p.dtype)[1])
       for got, want in stored:
         if jnp.shape(got) != want:
           raise ValueError(
@@ -183,7 +194,6 @@ class Leaves:
             f"{want}: the state was initialised for parameters of other shapes. "
             "Re-initialise the optimizer when parameters change."
           )
-    return auxes
 
   def keys(self, key, noisy: bool) -> tuple[Any, jax.Array | None]:
     """(the next key, one key per leaf in one array), or (key, None) when no noise is drawn.

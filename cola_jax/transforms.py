@@ -446,8 +446,7 @@ def cola_ud(
     leaves = Leaves(owner, constraints, params)
     grad_leaves = leaves.gradients(grads)
     taken = free_tx.taken(leaves)
-    momenta = [None if t else m for m, t in zip(leaves.flatten(state.momentum, "state.momentum"), taken)]
-    auxes = leaves.constraint_states(state, momenta)
+    auxes, momenta = leaves.constraint_states_and_momenta(state, taken)
     free_updates, free_state = free_tx.update(leaves, grads, state.free_state, params, extra_args)
     if from_sgd:
       h, decay = jnp.sqrt(_step_size_at(learning_rate, state.count)), jnp.asarray(momentum, jnp.float32)
