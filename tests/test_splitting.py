@@ -1,5 +1,7 @@
 """The splittings of the underdamped transforms: BAOAB, OBA, and any scheme of A, B and O steps."""
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -210,7 +212,7 @@ def test_a_users_scheme_needs_no_library_edit():
   h, gamma, omega2 = 0.1, 0.5, 3.0
   scheme = cola.Splitting([("B", 0.5), ("A", 1.0), ("B", 0.5), ("O", 1.0)])
   tx = cola.cola_ud(h, friction=gamma, splitting=scheme)
-  q = jnp.array([1.0, -0.5])
+  q: Any = jnp.array([1.0, -0.5])
   state = tx.init(q)
   q_ref, p_ref = np.array([1.0, -0.5]), np.zeros(2)
   for _ in range(20):
