@@ -40,6 +40,7 @@ from cola_jax.declared import constraints_from, with_constraint
 from cola_jax.diagnostics import constraint_residuals
 from cola_jax.hyperspherical import hyperspherical_descent
 from cola_jax.initialization import project_params
+from cola_jax.langevin import Splitting
 from cola_jax.manifold_muon import ManifoldMuonState, manifold_muon
 from cola_jax.path_rules import path_constraints
 from cola_jax.stiefel_direction import DirectionInfo
@@ -68,6 +69,7 @@ __all__ = [
   "Orthogonal",
   "OverdampedState",
   "ProjectionInfo",
+  "Splitting",
   "UnderdampedState",
   "UnitNorm",
   "UnitNormState",

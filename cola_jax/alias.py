@@ -25,6 +25,7 @@ from cola_jax._hyperparameters import called_as, caller, check_nonnegative, chec
 from cola_jax._tree import ConstraintSpec, is_function
 from cola_jax.constraints.circle import Circle
 from cola_jax.constraints.orthogonal import Orthogonal
+from cola_jax.langevin import Splitting
 from cola_jax.transforms import cola_od, cola_ud
 
 MaskOrFn = Any | Callable[[Any], Any] | None
@@ -247,7 +248,7 @@ def c_cola_ud(
   constraints: ConstraintSpec = None,
   temperature: optax.ScalarOrSchedule = 0.0,
   key: jax.Array | None = None,
-  splitting: str = "OBA",
+  splitting: str | Splitting = "OBA",
   momentum_dtype: Any = None,
   free: optax.GradientTransformation | None = None,
 ) -> optax.GradientTransformation:
@@ -289,7 +290,8 @@ def c_cola_ud(
       dynamics stay those of its name.
     temperature: ``tau >= 0``, a number or an optax schedule.
     key: a JAX PRNG key, required unless ``temperature`` is exactly 0.
-    splitting: ``"OBA"`` (the paper's) or ``"BAOAB"``; see :func:`cola_jax.cola_ud`.
+    splitting: ``"OBA"`` (the paper's), ``"BAOAB"`` or a :class:`~cola_jax.Splitting`; see
+      :func:`cola_jax.cola_ud`.
     momentum_dtype: the momenta's stored dtype; see :func:`cola_jax.cola_ud`.
     free: an optax ``GradientTransformation`` for the unconstrained leaves
       (``optax.adam(1e-3)``), or ``None`` (default): SGD with momentum, as
@@ -421,7 +423,7 @@ def o_cola_ud(
   key: jax.Array | None = None,
   tolerance: float = 1e-6,
   max_iterations: int = 20,
-  splitting: str = "OBA",
+  splitting: str | Splitting = "OBA",
   projection: str = "quasi_newton",
   loop: str = "while",
   momentum_dtype: Any = None,
@@ -461,7 +463,8 @@ def o_cola_ud(
       dynamics stay those of its name.
     temperature: ``tau >= 0``, a number or an optax schedule.
     key: a JAX PRNG key, required unless ``temperature`` is exactly 0.
-    splitting: ``"OBA"`` (the paper's) or ``"BAOAB"``; see :func:`cola_jax.cola_ud`.
+    splitting: ``"OBA"`` (the paper's), ``"BAOAB"`` or a :class:`~cola_jax.Splitting`; see
+      :func:`cola_jax.cola_ud`.
     tolerance: projection tolerance on ``max |Q^T Q - I|``.
     max_iterations: bound on quasi-Newton iterations per projection.
     projection: the solver of the projection, as for :class:`cola_jax.Orthogonal`.

@@ -14,23 +14,16 @@ a retraction that exists for every finite step. Unconstrained leaves get
 ``inner``'s update as it is.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import optax
 
 from cola_jax import _compiled
+from cola_jax._engine import Leaves, check_state_type, initial_auxes
 from cola_jax._hyperparameters import caller
-from cola_jax._tree import (
-  NOT_PARAMS,
-  ConstraintSpec,
-  LeafLayout,
-  check_state,
-  initial_auxes,
-  is_params_placeholder,
-  without_variables,
-)
+from cola_jax._tree import NOT_PARAMS, ConstraintSpec, is_params_placeholder, without_variables
 from cola_jax.constraints.base import Constraint, Euclidean
 
 _RETRACTIONS = ("polar", "projection")
@@ -196,52 +189,62 @@ def constrained(
     )
   if retraction not in _RETRACTIONS:
     raise ValueError(f"{owner}: retraction must be one of {_RETRACTIONS}, got {retraction!r}.")
+  return riemannian(owner, inner, constraints, retraction)
+
+
+def riemannian(
+  owner: str,
+  inner: optax.GradientTransformation,
+  constraints: ConstraintSpec,
+  retraction: str,
+  *,
+  check: Callable[[str, Constraint], None] | None = None,
+  direction: Callable[[Any, Any], Any] | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  """:func:`constrained`, for the transforms built on it.
+
+  ``check(path, constraint)`` raises for a constraint the caller does not
+  step; ``direction(constraint, g)`` maps each constrained leaf's Riemannian
+  gradient (in its momentum coordinates) before ``inner`` sees it.
+  """
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
     if is_params_placeholder(params):  # optax.tree.map_params: inner's state says which fields copy the parameters
       return ConstrainedState(inner_state=inner.init(params), constraint_states=NOT_PARAMS)
-    layout = LeafLayout(owner, constraints, without_variables(params))
+    leaves = Leaves(owner, constraints, without_variables(params), check)
     # One program, in which XLA drops the tangent projections that inner's init does not read.
     return _compiled.call(
-      _initial_state, (inner, tuple(layout.constraints), layout.treedef), layout.compute, layout.params
+      _initial_state, (inner, tuple(leaves.constraints), leaves.treedef), leaves.compute, leaves.params
     )
 
   def update_fn(grads, state, params=None, **extra_args):
-    check_state(owner, state, ConstrainedState)
-    layout = LeafLayout(owner, constraints, params)
-    grad_leaves = layout.gradients(grads)
-    auxes = layout.flatten(state.constraint_states, "state.constraint_states")
-    layout.check_state(auxes)
-    points = _points(layout.constraints, layout.compute, auxes)
-    seen_grads = [
-      grad if q is None else c.store_momentum(c.projected_gradient(q, g), p)
-      for c, q, g, grad, p in zip(
-        layout.constraints, points, grad_leaves, layout.flatten(grads, "grads"), layout.compute
-      )
-    ]
-    seen_params = _seen_params(layout.constraints, points, layout.compute, layout.params)
+    check_state_type(owner, state, ConstrainedState)
+    leaves = Leaves(owner, constraints, params, check)
+    grad_leaves = leaves.gradients(grads)
+    auxes = leaves.constraint_states(state)
+    points = _points(leaves.constraints, leaves.compute, auxes)
+    seen_grads = []
+    for c, q, g, grad, p in zip(
+      leaves.constraints, points, grad_leaves, leaves.flatten(grads, "grads"), leaves.compute
+    ):
+      if q is None:
+        seen_grads.append(grad)
+        continue
+      seen = c.store_momentum(c.projected_gradient(q, g), p)
+      seen_grads.append(seen if direction is None else direction(c, seen))
+    seen_params = _seen_params(leaves.constraints, points, leaves.compute, leaves.params)
     inner_updates, inner_state = inner.update(
-      layout.unflatten(seen_grads), state.inner_state, layout.unflatten(seen_params), **extra_args
+      leaves.unflatten(seen_grads), state.inner_state, leaves.unflatten(seen_params), **extra_args
     )
 
-    updates, new_auxes = [], []
-    for c, q, u, p, param, aux in zip(
-      layout.constraints,
-      points,
-      layout.flatten(inner_updates, "the inner transformation's updates"),
-      layout.compute,
-      layout.params,
-      auxes,
-    ):
-      if q is None:  # free: inner's update as it is
-        updates.append(u)
-        new_auxes.append(aux)
-        continue
+    def leaf_step(c, q, u, p):
       coordinates = c.load_momentum(jnp.asarray(u).astype(p.dtype))
-      new_param, new_aux = c.unpack(_retract(c, q, coordinates, retraction), p)
-      updates.append((new_param - p).astype(param.dtype))
-      new_auxes.append(new_aux)
-    return layout.unflatten(updates), ConstrainedState(inner_state, layout.unflatten(new_auxes))
+      return c.unpack(_retract(c, q, coordinates, retraction), p)
+
+    updates = leaves.flatten(inner_updates, "the inner transformation's updates")
+    new_params, new_auxes = leaves.map(2, leaf_step, leaves.free, (None, None), False, points, updates, leaves.compute)
+    new_auxes = [aux if free else new for aux, new, free in zip(auxes, new_auxes, leaves.free)]
+    return leaves.updates(new_params, updates), ConstrainedState(inner_state, leaves.unflatten(new_auxes))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]

@@ -7,18 +7,15 @@ import jax.numpy as jnp
 import optax
 
 from cola_jax import _compiled
-from cola_jax.constrained import ConstrainedState
-from cola_jax.manifold_muon import ManifoldMuonState
-from cola_jax.transforms import OverdampedState, UnderdampedState
-
-_COLA_STATES = (OverdampedState, UnderdampedState, ConstrainedState, ManifoldMuonState)
+from cola_jax._engine import holds_constraint_states
 
 
 def _cola_state(state):
+  """The one state inside ``state`` that holds its leaves' constraint states (any transform built on the engine)."""
   found = []
 
   def collect(node):
-    if isinstance(node, _COLA_STATES):
+    if holds_constraint_states(node):
       found.append(node)
       return True
     return False

@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import optax
 
 from cola_jax._default_leaves import weight_matrices
-from cola_jax._hyperparameters import called_as, check_nonnegative, check_positive
+from cola_jax._hyperparameters import check_nonnegative, check_positive
 from cola_jax._numerics import inverse_sqrt, max_abs, power_of_two_scale
-from cola_jax._tree import ConstraintSpec, LeafLayout, is_function, is_params_placeholder
-from cola_jax.constrained import constrained
+from cola_jax._tree import ConstraintSpec, is_function
+from cola_jax.constrained import riemannian
 from cola_jax.constraints.base import Constraint, Euclidean
 from cola_jax.constraints.unit_norm import UnitNorm
 
@@ -76,34 +76,6 @@ def _unit_direction(c: UnitNorm, tangent: jax.Array) -> jax.Array:
   return scaled * (jnp.asarray(c.radius, tangent.dtype) * inverse_sqrt(jnp.where(zero, jnp.ones_like(norm2), norm2)))
 
 
-def _scale_by_unit_direction(constraints: ConstraintSpec) -> optax.GradientTransformation:
-  """Each sphere unit's Riemannian gradient ``a_j`` as ``r a_j / |a_j|``; free leaves' gradients as they are.
-
-  The inner transformation of :func:`constrained`: its ``params`` are the tangent
-  projections of the parameters, with the parameters' paths and shapes, from
-  which the constraint of each leaf is found.
-  """
-
-  def spheres(params) -> LeafLayout:
-    layout = LeafLayout(_OWNER, constraints, params)
-    for path, c in zip(layout.paths, layout.constraints):
-      _sphere_or_free(c, f"for the leaf at {path}")
-    return layout
-
-  def init_fn(params):
-    if not is_params_placeholder(params):
-      spheres(params)
-    return optax.EmptyState()
-
-  def update_fn(updates, state, params=None):
-    layout = spheres(params)
-    tangents = layout.flatten(updates, "the Riemannian gradients")
-    out = [_unit_direction(c, u) if isinstance(c, UnitNorm) else u for c, u in zip(layout.constraints, tangents)]
-    return layout.unflatten(out), state
-
-  return optax.GradientTransformation(init_fn, update_fn)
-
-
 def hyperspherical_descent(
   learning_rate: optax.ScalarOrSchedule,
   *,
@@ -142,8 +114,9 @@ def hyperspherical_descent(
   to the sphere (a loss of ``|w|`` alone) has a tangent part of rounding size,
   whose direction is noise; the step still has the angle ``arctan(eta)``.
 
-  Built as :func:`~cola_jax.constrained` around the per-unit normalisation and
-  ``optax.scale_by_learning_rate``: it has its state, its sharding and its
+  Built as :func:`~cola_jax.constrained` with ``optax.scale_by_learning_rate``
+  as the inner transformation, the per-unit normalisation applied to the
+  Riemannian gradients it gets: it has its state, its sharding and its
   checks of the parameters, and parameters off their spheres are put on them
   radially by the first update.
 
@@ -205,6 +178,12 @@ def hyperspherical_descent(
   if constraints is None:
     constraints = _on_weight_matrices
   _check_constraints(constraints)
-  inner = optax.chain(_scale_by_unit_direction(constraints), optax.scale_by_learning_rate(learning_rate))
-  with called_as(_OWNER):  # constrained's errors name the function the user called
-    return constrained(inner, constraints=constraints)
+  sphere_or_free = lambda path, c: _sphere_or_free(c, f"for the leaf at {path}")
+  return riemannian(
+    _OWNER,
+    optax.scale_by_learning_rate(learning_rate),
+    constraints,
+    "polar",
+    check=sphere_or_free,
+    direction=_unit_direction,
+  )

@@ -39,17 +39,10 @@ import jax.numpy as jnp
 import optax
 
 from cola_jax._default_leaves import weight_matrices
+from cola_jax._engine import Leaves, check_state_type
 from cola_jax._hyperparameters import caller, check_nonnegative, check_positive, check_positive_integer
 from cola_jax._numerics import one_matrix_at_a_time
-from cola_jax._tree import (
-  NOT_PARAMS,
-  ConstraintSpec,
-  LeafLayout,
-  check_state,
-  initial_auxes,
-  is_params_placeholder,
-  without_variables,
-)
+from cola_jax._tree import NOT_PARAMS, ConstraintSpec, is_params_placeholder, without_variables
 from cola_jax.constraints.base import Euclidean
 from cola_jax.constraints.orthogonal import Orthogonal
 from cola_jax.stiefel_direction import DirectionInfo, steepest_tangent_direction
@@ -160,32 +153,27 @@ def manifold_muon(
       weight_matrices(owner, params, "cola.Orthogonal()", "constraints="),
     )
 
-  def layout_of(params) -> LeafLayout:
-    layout = LeafLayout(owner, constraints, params)
-    for path, c in zip(layout.paths, layout.constraints):
-      if not isinstance(c, (Orthogonal, Euclidean)):
-        raise ValueError(
-          f"{owner}: the leaf at {path} has the constraint {c!r}; manifold Muon steps Orthogonal leaves "
-          "(the Stiefel manifold) and free ones (None). For other manifolds use "
-          "cola.constrained(optax.contrib.muon(...), constraints=...)."
-        )
-    return layout
+  def orthogonal_or_free(path, c):
+    if not isinstance(c, (Orthogonal, Euclidean)):
+      raise ValueError(
+        f"{owner}: the leaf at {path} has the constraint {c!r}; manifold Muon steps Orthogonal leaves "
+        "(the Stiefel manifold) and free ones (None). For other manifolds use "
+        "cola.constrained(optax.contrib.muon(...), constraints=...)."
+      )
 
   def init_fn(params):
     count = jnp.zeros([], jnp.int32)
     if is_params_placeholder(params):  # optax.tree.map_params: the momenta are the copy of the parameters
       return ManifoldMuonState(count, momentum=params, constraint_states=NOT_PARAMS, direction_info=NOT_PARAMS)
-    layout = layout_of(without_variables(params))
-    auxes = initial_auxes(tuple(layout.constraints), layout.compute)
+    leaves = Leaves(owner, constraints, without_variables(params), orthogonal_or_free)
     infos = [
-      None if isinstance(c, Euclidean) else DirectionInfo(jnp.zeros((), jnp.int32), jnp.array(True), jnp.zeros(()))
-      for c in layout.constraints
+      None if free else DirectionInfo(jnp.zeros((), jnp.int32), jnp.array(True), jnp.zeros(())) for free in leaves.free
     ]
     return ManifoldMuonState(
       count,
-      momentum=layout.unflatten([jnp.zeros_like(p) for p in layout.params]),
-      constraint_states=layout.unflatten(auxes),
-      direction_info=layout.unflatten(infos),
+      momentum=leaves.unflatten([jnp.zeros_like(p) for p in leaves.params]),
+      constraint_states=leaves.unflatten(leaves.initial_states()),
+      direction_info=leaves.unflatten(infos),
     )
 
   def leaf_step(c, p, aux, d, eta):
@@ -200,33 +188,33 @@ def manifold_muon(
 
   def update_fn(grads, state, params=None, **extra_args):
     del extra_args
-    check_state(owner, state, ManifoldMuonState)
-    layout = layout_of(params)
-    grad_leaves = layout.gradients(grads)
-    auxes = layout.flatten(state.constraint_states, "state.constraint_states")
-    layout.check_state(auxes)
-    stored = layout.flatten(state.momentum, "state.momentum")
+    check_state_type(owner, state, ManifoldMuonState)
+    leaves = Leaves(owner, constraints, params, orthogonal_or_free)
+    grad_leaves = leaves.gradients(grads)
+    auxes = leaves.constraint_states(state)
+    stored = leaves.flatten(state.momentum, "state.momentum")
     eta = jnp.asarray(learning_rate(state.count) if callable(learning_rate) else learning_rate)
-    new_params, momenta, new_auxes, infos = [], [], [], []
-    for c, g, m, p, aux in zip(layout.constraints, grad_leaves, stored, layout.compute, auxes):
-      m = momentum * m.astype(p.dtype) + (1 - momentum) * g
-      d = momentum * m + (1 - momentum) * g if nesterov else m
-      momenta.append(m)
-      if isinstance(c, Euclidean):
-        new_params.append(p - eta * d)
-        new_auxes.append(aux)
-        infos.append(None)
-        continue
-      new_param, new_aux, info = one_matrix_at_a_time(functools.partial(leaf_step, c))(p, aux, d, eta)
-      new_params.append(new_param)
-      new_auxes.append(new_aux)
-      infos.append(info)
+    momenta = [
+      momentum * m.astype(p.dtype) + (1 - momentum) * g for m, p, g in zip(stored, leaves.compute, grad_leaves)
+    ]
+    directions = [momentum * m + (1 - momentum) * g if nesterov else m for m, g in zip(momenta, grad_leaves)]
+
+    def orthogonal_step(c, p, aux, d):
+      return one_matrix_at_a_time(functools.partial(leaf_step, c))(p, aux, d, eta)
+
+    new_params, new_auxes, infos = leaves.map(
+      3, orthogonal_step, leaves.free, (None, None, None), False, leaves.compute, auxes, directions
+    )
+    new_params = [
+      p - eta * d if free else new for p, d, new, free in zip(leaves.compute, directions, new_params, leaves.free)
+    ]
+    new_auxes = [aux if free else new for aux, new, free in zip(auxes, new_auxes, leaves.free)]
     momenta = [m.astype(old.dtype) for m, old in zip(momenta, stored)]
-    return layout.updates(new_params), ManifoldMuonState(
+    return leaves.updates(new_params), ManifoldMuonState(
       jnp.asarray(optax.safe_increment(state.count)),
-      layout.unflatten(momenta),
-      layout.unflatten(new_auxes),
-      layout.unflatten(infos),
+      leaves.unflatten(momenta),
+      leaves.unflatten(new_auxes),
+      leaves.unflatten(infos),
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]

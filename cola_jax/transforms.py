@@ -32,22 +32,14 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from cola_jax import _compiled, _step_noise, langevin
+from cola_jax import langevin
+from cola_jax._engine import Free, Leaves, check_state_type
 from cola_jax._hyperparameters import caller, check_floating_dtype, check_nonnegative, check_positive
-from cola_jax._numerics import computed_after, concrete_float, explicit_sharding, is_prng_key, on_one_cpu_device
-from cola_jax._tree import (
-  NOT_PARAMS,
-  ConstraintSpec,
-  LeafLayout,
-  check_state,
-  hashable,
-  initial_auxes,
-  is_params_placeholder,
-  without_variables,
-)
+from cola_jax._numerics import computed_after, concrete_float, is_prng_key, on_one_cpu_device
+from cola_jax._tree import NOT_PARAMS, ConstraintSpec, is_params_placeholder, without_variables
+from cola_jax.langevin import SPLITTINGS, Splitting
 
 
 class OverdampedState(NamedTuple):
@@ -88,9 +80,6 @@ class UnderdampedState(NamedTuple):
   momentum: Any  # per leaf, in the stored form of its constraint: shaped like the leaf (flat for Implicit);
   # optax.MaskedNode at the leaves that free= moves
   free_state: Any  # the state of free= over the free leaves (optax.MaskedNode at the others); None without free=
-
-
-_SPLITTINGS = ("OBA", "BAOAB")
 
 
 def _check_hyperparameters(owner, learning_rate, temperature, key) -> bool:
@@ -138,116 +127,6 @@ def _temperature_at(temperature, count):
   return jnp.maximum(_at(temperature, count), 0.0)
 
 
-def _step_keys(key, noisy: bool, n_leaves: int):
-  """(next key, the leaves' keys in one array) or (key, None) when no noise is drawn."""
-  if not noisy:
-    return key, None
-  key, step_key = jax.random.split(key)
-  return key, jax.random.split(step_key, n_leaves)  # one array: a group's keys are one gather, not a slice per leaf
-
-
-def _noise(dynamics: str, layout: LeafLayout, auxes: list, keys: jax.Array | None, grads: list, taken: list) -> list:
-  """Each leaf's numbers for this step (:func:`cola_jax.langevin.draw_noise`), None where it draws none.
-
-  A leaf that ``free=`` takes draws none; the others draw from their own keys
-  (``keys[i]`` for leaf ``i``), with or without ``free=``.
-  """
-  noises = [None] * len(layout.params)
-  drawn = [i for i, t in enumerate(taken) if not t]
-  if keys is None or not drawn:
-    return noises
-  if len(drawn) < len(noises):
-    keys = keys[np.asarray(drawn)]
-  constraints, grads = [layout.constraints[i] for i in drawn], [grads[i] for i in drawn]
-  points = [jax.eval_shape(layout.constraints[i].point, layout.compute[i], auxes[i]) for i in drawn]
-  draw = lambda c, key, point: langevin.draw_noise(c, key, point, dynamics)
-  for i, noise in zip(drawn, _step_noise.draw_leaves(draw, constraints, points, keys, grads)):
-    noises[i] = noise
-  return noises
-
-
-class _Free:
-  """``free=``: the optax transformation of the unconstrained leaves, or None (the CoLA step moves them too).
-
-  It gets its leaves as ``optax.partition`` would give them: the gradients and
-  parameters as they are, ``optax.MaskedNode`` at every other leaf, and the
-  extra arguments of ``update``.
-  """
-
-  def __init__(self, owner: str, free: optax.GradientTransformation | None):
-    if free is not None and not isinstance(free, optax.GradientTransformation):
-      raise TypeError(
-        f"{owner}: free must be an optax.GradientTransformation for the unconstrained leaves, such as "
-        f"free=optax.adam(1e-3), or None (the method's own dynamics); got {type(free).__name__}."
-      )
-    self.tx = None if free is None else optax.with_extra_args_support(free)
-
-  def taken(self, layout: LeafLayout) -> list[bool]:
-    """Per leaf: whether ``free`` moves it (every unconstrained leaf when given, none otherwise)."""
-    return [self.tx is not None and f for f in layout.free]
-
-  def _masked(self, layout: LeafLayout, tree, what: str):
-    taken = self.taken(layout)
-    return layout.unflatten([x if t else optax.MaskedNode() for x, t in zip(layout.flatten(tree, what), taken)])
-
-  def init(self, params, layout: LeafLayout | None):
-    """``free``'s state for these parameters (None without ``free``).
-
-    ``layout`` is None for ``optax.tree.map_params``'s stand-in, which
-    ``free`` gets unmasked, as ``optax.masked`` passes it on.
-    """
-    if self.tx is None:
-      return None
-    return self.tx.init(params if layout is None else self._masked(layout, params, "params"))
-
-  def update(self, layout: LeafLayout, grads, state, params, extra_args: dict) -> tuple[list, Any]:
-    """``free``'s update of each leaf it takes (None at the others) and its next state."""
-    if self.tx is None:
-      return [None] * len(layout.params), state
-    updates, state = self.tx.update(
-      self._masked(layout, grads, "grads"), state, self._masked(layout, params, "params"), **extra_args
-    )
-    taken = self.taken(layout)
-    return [u if t else None for u, t in zip(layout.flatten(updates, "free's updates"), taken)], state
-
-
-def _map_leaves(n_outputs, leaf_step, taken, fill, constraints, params, *columns) -> tuple[list, ...]:
-  """``leaf_step(constraint, param, *column_entries)`` for every leaf that ``free=`` has not ``taken``, transposed.
-
-  ``leaf_step`` returns ``n_outputs`` values; a taken leaf gets ``fill`` (a
-  tuple of as many). With no leaves the result is ``n_outputs`` empty lists.
-
-  On accelerators, leaves that share a constraint whose ``stack_same_shape``
-  is set, a shape and a dtype (and carry no explicit sharding) are stacked
-  and stepped together under ``vmap``: a deep network's equal hidden layers
-  then take one batched projection loop (one kernel launch and one host
-  synchronisation per iteration) instead of one loop each. A member's result
-  is the one it gets alone.
-  """
-  stacking = _stacking_pays()
-  groups = {}
-  outputs: list[Any] = [fill if t else None for t in taken]
-  for i, (c, param) in enumerate(zip(constraints, params)):
-    if taken[i]:
-      continue
-    together = stacking and c.stack_same_shape and explicit_sharding(param) is None
-    group = (hashable(c), param.shape, param.dtype) if together else i
-    groups.setdefault(group, []).append(i)
-
-  columns = (params, *columns)
-  for members in groups.values():
-    c = constraints[members[0]]
-    step = lambda *args: leaf_step(c, *args)
-    if len(members) == 1:
-      (i,) = members
-      outputs[i] = step(*(column[i] for column in columns))
-      continue
-    batched = jax.vmap(step)(*(_stack([column[i] for i in members]) for column in columns))
-    for position, i in enumerate(members):
-      outputs[i] = jax.tree.map(lambda x: x[position], batched)
-  return tuple([output[k] for output in outputs] for k in range(n_outputs))
-
-
 def _after_gradient(grad: jax.Array, tree):
   """``tree`` computed after ``grad`` (:func:`~cola_jax._numerics.computed_after`) on XLA's CPU backend with one device.
 
@@ -272,10 +151,6 @@ def _stacking_pays() -> bool:
   ``benchmarks/cost/stiefel_projection.py``).
   """
   return jax.default_backend() != "cpu"
-
-
-def _stack(trees: list):
-  return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
 
 
 def cola_od(
@@ -357,49 +232,62 @@ def cola_od(
   """
   owner = caller("cola_od")
   noisy = _check_hyperparameters(owner, learning_rate, temperature, key)
-  free_tx = _Free(owner, free)
+  free_tx = Free(owner, free)
 
   def init_fn(params):
     count = jnp.zeros([], jnp.int32)
     if is_params_placeholder(params):  # optax.tree.map_params: free's state says which fields copy the parameters
       return OverdampedState(count, key=key, constraint_states=NOT_PARAMS, free_state=free_tx.init(params, None))
     params = without_variables(params)
-    layout = LeafLayout(owner, constraints, params)
-    auxes = _compiled.call(initial_auxes, (tuple(layout.constraints),), layout.compute)
+    leaves = Leaves(owner, constraints, params)
     return OverdampedState(
-      count, key=key, constraint_states=layout.unflatten(auxes), free_state=free_tx.init(params, layout)
+      count,
+      key=key,
+      constraint_states=leaves.unflatten(leaves.initial_states()),
+      free_state=free_tx.init(params, leaves),
     )
 
   def update_fn(grads, state, params=None, **extra_args):
-    check_state(owner, state, OverdampedState)
-    layout = LeafLayout(owner, constraints, params)
-    grad_leaves = layout.gradients(grads)
-    auxes = layout.flatten(state.constraint_states, "state.constraint_states")
-    layout.check_state(auxes)
-    taken = free_tx.taken(layout)
-    free_updates, free_state = free_tx.update(layout, grads, state.free_state, params, extra_args)
+    check_state_type(owner, state, OverdampedState)
+    leaves = Leaves(owner, constraints, params)
+    grad_leaves = leaves.gradients(grads)
+    auxes = leaves.constraint_states(state)
+    taken = free_tx.taken(leaves)
+    free_updates, free_state = free_tx.update(leaves, grads, state.free_state, params, extra_args)
     h = _step_size_at(learning_rate, state.count)
     noise_scale = jnp.sqrt(2 * _temperature_at(temperature, state.count) * h) if noisy else None
-    next_key, leaf_keys = _step_keys(state.key, noisy, len(layout.params))
+    next_key, leaf_keys = leaves.keys(state.key, noisy)
+    stacking = _stacking_pays()
+    points = leaves.points(auxes, grad_leaves, taken, _after_gradient, stacking)
+    draw = lambda c, key, point: langevin.draw_noise(c, key, point, "overdamped")
+    noises = leaves.noises(draw, leaf_keys, points, grad_leaves, taken)
 
-    noises = _noise("overdamped", layout, auxes, leaf_keys, grad_leaves, taken)
+    def leaf_step(c, param, point, grad, noise):
+      return c.unpack(langevin.overdamped_step(c, point, grad, h, noise_scale, noise), param)
 
-    def leaf_step(c, param, grad, aux, noise):
-      param, aux = _after_gradient(grad, (param, aux))
-      point = langevin.overdamped_step(c, c.point(param, aux), grad, h, noise_scale, noise)
-      return c.unpack(point, param)
-
-    new_params, new_auxes = _map_leaves(
-      2, leaf_step, taken, (None, None), layout.constraints, layout.compute, grad_leaves, auxes, noises
+    new_params, new_auxes = leaves.map(
+      2, leaf_step, taken, (None, None), stacking, leaves.compute, points, grad_leaves, noises
     )
-    return layout.updates(new_params, free_updates), OverdampedState(
+    return leaves.updates(new_params, free_updates), OverdampedState(
       count=jnp.asarray(optax.safe_increment(state.count)),
       key=next_key,
-      constraint_states=layout.unflatten(new_auxes),
+      constraint_states=leaves.unflatten(new_auxes),
       free_state=free_state,
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+
+
+def _splitting(owner: str, splitting) -> Splitting:
+  """The :class:`~cola_jax.langevin.Splitting` that ``splitting`` names (or is)."""
+  if isinstance(splitting, Splitting):
+    return splitting
+  if isinstance(splitting, str) and splitting in SPLITTINGS:
+    return SPLITTINGS[splitting]
+  raise ValueError(
+    f"{owner}: splitting must be one of {tuple(SPLITTINGS)} or a cola.Splitting (such as "
+    f"cola.Splitting('OBABO')), got {splitting!r}."
+  )
 
 
 def _momentum_or_friction(owner: str, friction, momentum) -> bool:
@@ -428,11 +316,11 @@ def cola_ud(
   constraints: ConstraintSpec = None,
   temperature: optax.ScalarOrSchedule = 0.0,
   key: jax.Array | None = None,
-  splitting: str = "OBA",
+  splitting: str | Splitting = "OBA",
   momentum_dtype: Any = None,
   free: optax.GradientTransformation | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-  r"""Constrained underdamped Langevin dynamics (CoLA-ud), OBA or BAOAB splitting.
+  r"""Constrained underdamped Langevin dynamics (CoLA-ud), OBA, BAOAB or any splitting of O, B and A steps.
 
   In optax's terms: ``cola_ud(1e-3, momentum=0.9)`` is, at temperature 0
   on free leaves, ``optax.sgd(1e-3, momentum=0.9)``. With ``friction=``
@@ -475,7 +363,9 @@ def cola_ud(
     key: a JAX PRNG key, required unless ``temperature`` is exactly 0.
     splitting: ``"OBA"`` (the paper's; equals SGD with momentum at ``tau = 0``)
       or ``"BAOAB"`` (more accurate configurational averages at the same step
-      size; two A half steps per update, see :func:`cola_jax.langevin.baoab_step`).
+      size; two A half steps per update, see :func:`cola_jax.langevin.baoab_step`),
+      or any :class:`~cola_jax.Splitting` (``cola.Splitting("OBABO")``, a
+      scheme of one's own: its O steps draw one set of numbers each).
     momentum_dtype: the dtype the momenta are stored in between steps (as
       ``accumulator_dtype`` in ``optax.sgd``). ``None`` (default): the compute
       dtype, float32 for bfloat16 or float16 parameters. ``jnp.bfloat16``
@@ -523,10 +413,9 @@ def cola_ud(
   from_sgd = _momentum_or_friction(owner, friction, momentum)
   gamma = 0.0 if friction is None else friction
   noisy = _check_hyperparameters(owner, learning_rate, temperature, key)
-  if splitting not in _SPLITTINGS:
-    raise ValueError(f"{owner}: splitting must be one of {_SPLITTINGS}, got {splitting!r}.")
+  splitting = _splitting(owner, splitting)
   momentum_dtype = check_floating_dtype(owner, "momentum_dtype", momentum_dtype)
-  free_tx = _Free(owner, free)
+  free_tx = Free(owner, free)
 
   def zero_momentum(c, p):
     m = c.zero_momentum(p)
@@ -539,68 +428,61 @@ def cola_ud(
         count, key=key, constraint_states=NOT_PARAMS, momentum=params, free_state=free_tx.init(params, None)
       )
     params = without_variables(params)
-    layout = LeafLayout(owner, constraints, params)
-    auxes = _compiled.call(initial_auxes, (tuple(layout.constraints),), layout.compute)
+    leaves = Leaves(owner, constraints, params)
     momenta = [
       optax.MaskedNode() if t else zero_momentum(c, p)
-      for c, p, t in zip(layout.constraints, layout.compute, free_tx.taken(layout))
+      for c, p, t in zip(leaves.constraints, leaves.compute, free_tx.taken(leaves))
     ]
     return UnderdampedState(
       count,
       key=key,
-      constraint_states=layout.unflatten(auxes),
-      momentum=layout.unflatten(momenta),
-      free_state=free_tx.init(params, layout),
+      constraint_states=leaves.unflatten(leaves.initial_states()),
+      momentum=leaves.unflatten(momenta),
+      free_state=free_tx.init(params, leaves),
     )
 
   def update_fn(grads, state, params=None, **extra_args):
-    check_state(owner, state, UnderdampedState)
-    layout = LeafLayout(owner, constraints, params)
-    grad_leaves = layout.gradients(grads)
-    auxes = layout.flatten(state.constraint_states, "state.constraint_states")
-    taken = free_tx.taken(layout)
-    momenta = [None if t else m for m, t in zip(layout.flatten(state.momentum, "state.momentum"), taken)]
-    layout.check_state(auxes, momenta)
-    free_updates, free_state = free_tx.update(layout, grads, state.free_state, params, extra_args)
+    check_state_type(owner, state, UnderdampedState)
+    leaves = Leaves(owner, constraints, params)
+    grad_leaves = leaves.gradients(grads)
+    taken = free_tx.taken(leaves)
+    auxes, momenta = leaves.constraint_states_and_momenta(state, taken)
+    free_updates, free_state = free_tx.update(leaves, grads, state.free_state, params, extra_args)
     if from_sgd:
       h, decay = jnp.sqrt(_step_size_at(learning_rate, state.count)), jnp.asarray(momentum, jnp.float32)
     else:
       h = _step_size_at(learning_rate, state.count)
       decay = jnp.exp(-gamma * h)
-    noise_scale = jnp.sqrt(_temperature_at(temperature, state.count) * (1 - decay * decay)) if noisy else None
-    next_key, leaf_keys = _step_keys(state.key, noisy, len(layout.params))
+    tau = _temperature_at(temperature, state.count) if noisy else None
+    next_key, leaf_keys = leaves.keys(state.key, noisy)
+    first = state.count == 0
+    stacking = _stacking_pays()
+    points = leaves.points(auxes, grad_leaves, taken, _after_gradient, stacking)
+    noises = leaves.noises(splitting.draw, leaf_keys, points, grad_leaves, taken)
 
-    kick = jnp.where(state.count == 0, h / 2, h)
-
-    noises = _noise(splitting, layout, auxes, leaf_keys, grad_leaves, taken)
-
-    def leaf_step(c, param, grad, aux, stored, noise):
-      param, aux = _after_gradient(grad, (param, aux))
-      point, momentum = c.point(param, aux), c.load_momentum(stored.astype(param.dtype))
-      if splitting == "OBA":
-        point, momentum = langevin.oba_step(c, point, momentum, grad, h, decay, noise_scale, noise)
-      else:
-        point, momentum = langevin.baoab_step(c, point, momentum, grad, h, kick, decay, noise_scale, noise)
+    def leaf_step(c, param, point, grad, stored, noise):
+      momentum = c.load_momentum(stored.astype(param.dtype))
+      point, momentum = splitting.step(c, point, momentum, grad, h, decay, first=first, temperature=tau, noises=noise)
       new_param, new_aux = c.unpack(point, param)
       return new_param, new_aux, c.store_momentum(momentum, param).astype(stored.dtype)
 
-    new_params, new_auxes, new_momenta = _map_leaves(
+    new_params, new_auxes, new_momenta = leaves.map(
       3,
       leaf_step,
       taken,
       (None, None, optax.MaskedNode()),
-      layout.constraints,
-      layout.compute,
+      stacking,
+      leaves.compute,
+      points,
       grad_leaves,
-      auxes,
       momenta,
       noises,
     )
-    return layout.updates(new_params, free_updates), UnderdampedState(
+    return leaves.updates(new_params, free_updates), UnderdampedState(
       count=jnp.asarray(optax.safe_increment(state.count)),
       key=next_key,
-      constraint_states=layout.unflatten(new_auxes),
-      momentum=layout.unflatten(new_momenta),
+      constraint_states=leaves.unflatten(new_auxes),
+      momentum=leaves.unflatten(new_momenta),
       free_state=free_state,
     )
 

@@ -1,4 +1,6 @@
-"""The BAOAB splitting of the underdamped transforms."""
+"""The splittings of the underdamped transforms: BAOAB, OBA, and any scheme of A, B and O steps."""
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +9,8 @@ import optax
 import pytest
 
 import cola_jax as cola
+from cola_jax import langevin
+from cola_jax.constraints import Euclidean
 
 # The presets' default choice of leaves is used on purpose here (the layers' kernels, biases free); that choice
 # and the warning naming it are tested in test_validation.
@@ -72,13 +76,14 @@ def test_baoab_without_noise_or_friction_is_velocity_verlet():
   np.testing.assert_allclose(state.momentum - h / 2 * omega2 * q, p_ref, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("splitting", ["BAOAB", cola.Splitting("OBABO")], ids=["BAOAB", "OBABO"])
 @pytest.mark.parametrize(
   "constraints", [cola.circle_constraints(0.1), cola.orthogonal_constraints()], ids=["circle", "orthogonal"]
 )
-def test_baoab_keeps_the_constraints(constraints, mlp_problem):
+def test_splittings_keep_the_constraints(constraints, splitting, mlp_problem):
   params, loss = mlp_problem
   tx = cola.cola_ud(
-    0.1, friction=1.0, constraints=constraints, temperature=1e-5, key=jax.random.key(0), splitting="BAOAB"
+    0.1, friction=1.0, constraints=constraints, temperature=1e-5, key=jax.random.key(0), splitting=splitting
   )
 
   def step(carry, i):
@@ -91,5 +96,129 @@ def test_baoab_keeps_the_constraints(constraints, mlp_problem):
 
 
 def test_unknown_splitting_is_an_error():
-  with pytest.raises(ValueError, match="splitting"):
+  with pytest.raises(ValueError, match="splitting must be one of .'OBA', 'BAOAB'. or a cola.Splitting"):
     cola.cola_ud(0.1, friction=1.0, splitting="ABO")
+
+
+@pytest.mark.parametrize(
+  ("steps", "message"),
+  [
+    ("OBAX", "steps are A, B or O"),
+    ("ABOAB", "every B step must come before the first A step or after the last one"),
+    ([("O", 1.0), ("B", 0.5), ("A", 1.0)], "the fractions of the B steps must sum to 1"),
+    ("OB", "the fractions of the A steps must sum to 1"),
+    ([("O", 1.0), ("B", 1.0), ("A", 0.0), ("A", 1.0)], "the fraction of every step must be positive"),
+    ([("O",)], "the steps must be a string of A, B, O or .letter, fraction. pairs"),
+  ],
+)
+def test_a_splitting_that_is_no_step_is_an_error_naming_splitting(steps, message):
+  with pytest.raises(ValueError, match=f"splitting: {message}"):
+    cola.Splitting(steps)
+
+
+def stationary_covariance(splitting: cola.Splitting, h: float, omega2: float, gamma: float, tau: float):
+  """The stationary covariance of ``(q, p)`` between calls of ``splitting`` on ``V = omega2 q^2 / 2``, exactly.
+
+  One call is affine, ``x <- M x + N r`` with ``r`` its standard normal draws: ``M`` and ``N`` are the
+  Jacobian of the library's step, and the covariance solves ``S = M S M^T + N N^T``. Returned with the
+  condition number of that linear system (which bounds how its rounding grows).
+  """
+  draws = splitting.draws
+
+  def call(x):
+    q, p, r = x[0], x[1], x[2:]
+    noises = tuple(r[j] for j in range(draws))
+    q, p = splitting.step(Euclidean(), q, p, omega2 * q, h, jnp.exp(-gamma * h), temperature=tau, noises=noises)
+    return jnp.stack([q, p])
+
+  jacobian = np.asarray(jax.jacobian(call)(jnp.zeros(2 + draws, jnp.float64)))
+  m, n = jacobian[:, :2], jacobian[:, 2:]
+  system = np.eye(4) - np.kron(m, m)
+  return np.linalg.solve(system, (n @ n.T).reshape(-1)).reshape(2, 2), np.linalg.cond(system)
+
+
+@pytest.mark.parametrize("h", [0.4, 0.2, 0.1])
+def test_obabo_agrees_with_baoab_to_second_order_on_a_gaussian(h):
+  # On V = omega^2 q^2 / 2, BAOAB samples q exactly (variance tau / omega^2 at every h < 2 / omega) and
+  # OBABO with the error (h omega / 2)^2 / (1 - (h omega / 2)^2): the two agree to second order in h.
+  omega2, gamma, tau = 2.0, 1.0, 0.5
+  with jax.enable_x64(True):
+    baoab, baoab_cond = stationary_covariance(cola.Splitting("BAOAB"), h, omega2, gamma, tau)
+    obabo, obabo_cond = stationary_covariance(cola.Splitting("OBABO"), h, omega2, gamma, tau)
+  exact = tau / omega2
+  half_step2 = h * h * omega2 / 4
+  tolerance = 64 * max(baoab_cond, obabo_cond) * np.finfo(np.float64).eps / 2  # the solve's rounding, grown
+  np.testing.assert_allclose(baoab[0, 0], exact, rtol=tolerance)
+  np.testing.assert_allclose(obabo[0, 0], exact / (1 - half_step2), rtol=tolerance)
+  assert obabo[0, 0] / baoab[0, 0] - 1 <= 2 * half_step2  # second order: O(h^2) as h -> 0
+
+
+@pytest.mark.parametrize(
+  "constraint", [cola.Circle(1.0), cola.Orthogonal()], ids=["circle", "orthogonal"]
+)  # noise drawn in cotangent coordinates; noise projected with the force
+@pytest.mark.parametrize("first", [True, False])
+def test_the_named_splittings_are_the_reference_steps_bit_for_bit(constraint, first):
+  w = jax.random.normal(jax.random.key(1), (4, 3)) * 0.3
+  w = constraint.nearest(w)
+  grad = jax.random.normal(jax.random.key(2), w.shape)
+  key, h, decay, tau = jax.random.key(3), 0.1, jnp.exp(-0.1), 1e-2
+  scale = jnp.sqrt(tau * (1 - decay * decay))
+
+  @jax.jit
+  def steps(w):
+    point = constraint.point(w, constraint.init(w))
+    momentum = constraint.load_momentum(constraint.zero_momentum(w) + 0.1)
+    oba, baoab = cola.Splitting("OBA"), cola.Splitting("BAOAB")
+    kick = jnp.where(first, h / 2, h)
+    return (
+      oba.step(constraint, point, momentum, grad, h, decay, temperature=tau, noises=oba.draw(constraint, key, point)),
+      langevin.oba_step(
+        constraint, point, momentum, grad, h, decay, scale, langevin.draw_noise(constraint, key, point, "OBA")
+      ),
+      baoab.step(
+        constraint,
+        point,
+        momentum,
+        grad,
+        h,
+        decay,
+        first=first,
+        temperature=tau,
+        noises=baoab.draw(constraint, key, point),
+      ),
+      langevin.baoab_step(
+        constraint, point, momentum, grad, h, kick, decay, scale, langevin.draw_noise(constraint, key, point, "BAOAB")
+      ),
+    )
+
+  oba, oba_reference, baoab, baoab_reference = steps(w)
+  for got, want in [(oba, oba_reference), (baoab, baoab_reference)]:
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_a_splitting_of_several_o_steps_draws_each_from_its_own_key():
+  point, key = jnp.zeros(1000), jax.random.key(0)
+  draws = cola.Splitting("OBABO").draw(Euclidean(), key, point)
+  wants = [Euclidean().cotangent_draw(k, point) for k in jax.random.split(key, 2)]
+  assert len(draws) == 2
+  for draw, want in zip(draws, wants):
+    np.testing.assert_array_equal(draw, want)
+  assert abs(float(jnp.corrcoef(draws[0], draws[1])[0, 1])) < 5 / np.sqrt(point.size)  # independent
+
+
+def test_a_users_scheme_needs_no_library_edit():
+  # Velocity Verlet then friction, B(h/2) A(h) B(h/2) O(h), from (letter, fraction) pairs: at tau = 0 on a
+  # free leaf, the positions are those of the recursion written out.
+  h, gamma, omega2 = 0.1, 0.5, 3.0
+  scheme = cola.Splitting([("B", 0.5), ("A", 1.0), ("B", 0.5), ("O", 1.0)])
+  tx = cola.cola_ud(h, friction=gamma, splitting=scheme)
+  q: Any = jnp.array([1.0, -0.5])
+  state = tx.init(q)
+  q_ref, p_ref = np.array([1.0, -0.5]), np.zeros(2)
+  for _ in range(20):
+    updates, state = tx.update(omega2 * q, state, q)
+    q = optax.apply_updates(q, updates)
+    p_half = p_ref - h / 2 * omega2 * q_ref
+    q_ref = q_ref + h * p_half
+    p_ref = np.exp(-gamma * h) * (p_half - h / 2 * omega2 * q_ref)
+  np.testing.assert_allclose(q, q_ref, rtol=1e-5)

@@ -1,6 +1,7 @@
 """The optax transforms: equivalences, keys, jit/vmap/inject_hyperparams, errors."""
 
 import math
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -448,3 +449,57 @@ def test_low_precision_parameters_keep_their_dtype_and_the_constraint(dtype, mlp
     assert all(x.dtype == dtype for x in jax.tree.leaves(new))
     residual = max(float(r) for r in jax.tree.leaves(cola.constraint_residuals(new, state)))
     assert residual <= 8 * float(jnp.finfo(dtype).eps), residual
+
+
+class _CountedCircle(cola.Circle):
+  """A Circle that counts the traces of its point and its init."""
+
+  calls: ClassVar[dict] = {"point": 0, "init": 0}
+
+  def point(self, param, aux):
+    _CountedCircle.calls["point"] += 1
+    return super().point(param, aux)
+
+  def init(self, param):
+    _CountedCircle.calls["init"] += 1
+    return super().init(param)
+
+
+@pytest.mark.parametrize("make", [cola.cola_od, lambda *a, **k: cola.cola_ud(*a, friction=1.0, **k)], ids=["od", "ud"])
+def test_an_update_traces_each_leafs_point_once_and_its_state_check_no_init(make):
+  params = {"a": jnp.full(3, 0.1), "b": jnp.full((2, 2), 0.2)}
+  tx = make(0.1, constraints=_CountedCircle(0.5), temperature=1e-3, key=jax.random.key(0))
+  state, grads = tx.init(params), jax.tree.map(jnp.ones_like, params)
+  jax.jit(tx.update).lower(grads, state, params)  # the state check learns each leaf's state structure once
+  _CountedCircle.calls.update(point=0, init=0)
+  jax.jit(lambda g, s, p: tx.update(g, s, p)).lower(grads, state, params)  # a new trace
+  assert _CountedCircle.calls == {"point": 2, "init": 0}
+
+
+class _UsersState(NamedTuple):
+  """A state of a transform of one's own that keeps its leaves' constraint states as the engine does."""
+
+  constraint_states: Any
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda c: cola.cola_od(0.1, constraints=c),
+    lambda c: cola.cola_ud(0.1, friction=1.0, constraints=c, splitting=cola.Splitting("OBABO")),
+    lambda c: cola.constrained(optax.adam(1e-2), constraints=c),
+    lambda c: cola.manifold_muon(0.1, constraints=c),
+    lambda c: cola.hyperspherical_descent(0.1, constraints={"w": cola.UnitNorm(), "b": None}),
+  ],
+  ids=["cola_od", "cola_ud", "constrained", "manifold_muon", "hyperspherical_descent"],
+)
+def test_constraint_residuals_find_the_leaf_states_of_every_transform(make):
+  params = {"w": jnp.eye(3, 2), "b": jnp.zeros(2)}
+  tx = optax.chain(optax.clip_by_global_norm(1.0), make({"w": cola.Orthogonal(), "b": None}))
+  state = tx.init(params)
+  updates, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+  params: Any = optax.apply_updates(params, updates)
+  residuals = cola.constraint_residuals(params, state)
+  assert residuals["b"] is None and float(residuals["w"]) < 1e-5
+  users = cola.constraint_residuals(params, _UsersState(optax.tree.get(state, "constraint_states")))
+  assert users["b"] is None and users["w"] == residuals["w"]
