@@ -42,7 +42,7 @@ How ``A`` is found.
 On XLA:CPU, under ``jax.vmap`` a step loops over the models (seeds), each
 leaf's direction and retraction one model at a time, and
 :func:`steepest_tangent_direction` loops over a batch of matrices (a stacked
-leaf's) (:func:`~cola_jax._numerics.one_matrix_at_a_time`): jaxlib 0.10.2's
+leaf's) (:func:`~cola_jax._platform.one_matrix_at_a_time`): jaxlib 0.10.2's
 batched CPU LAPACK kernels block the pool threads their own tasks need, and a
 step over two seeds of a 784-128-64-10 MLP deadlocked (one leaf's ADMM
 ``eigh`` and another's ``svd``). A model's result under ``vmap`` is its
@@ -71,7 +71,8 @@ import optax
 
 from cola_jax._default_leaves import weight_matrices
 from cola_jax._hyperparameters import caller, check_nonnegative, check_positive, check_positive_integer
-from cola_jax._numerics import max_abs, one_matrix_at_a_time, power_of_two_scale
+from cola_jax._numerics import max_abs, power_of_two_scale
+from cola_jax._platform import one_matrix_at_a_time
 from cola_jax._tree import (
   NOT_PARAMS,
   ConstraintSpec,

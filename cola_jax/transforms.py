@@ -35,15 +35,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from cola_jax import _compiled, _step_noise, langevin
+from cola_jax import _compiled, _platform, _step_noise, langevin
 from cola_jax._hyperparameters import caller, check_floating_dtype, check_nonnegative, check_positive
-from cola_jax._numerics import computed_after, concrete_float, explicit_sharding, is_prng_key, on_one_cpu_device
+from cola_jax._numerics import concrete_float, is_prng_key
 from cola_jax._tree import (
   NOT_PARAMS,
   ConstraintSpec,
   LeafLayout,
   check_state,
-  hashable,
   initial_auxes,
   is_params_placeholder,
   without_variables,
@@ -217,65 +216,13 @@ def _map_leaves(n_outputs, leaf_step, taken, fill, constraints, params, *columns
   ``leaf_step`` returns ``n_outputs`` values; a taken leaf gets ``fill`` (a
   tuple of as many). With no leaves the result is ``n_outputs`` empty lists.
 
-  On accelerators, leaves that share a constraint whose ``stack_same_shape``
-  is set, a shape and a dtype (and carry no explicit sharding) are stacked
-  and stepped together under ``vmap``: a deep network's equal hidden layers
-  then take one batched projection loop (one kernel launch and one host
-  synchronisation per iteration) instead of one loop each. A member's result
-  is the one it gets alone.
   """
-  stacking = _stacking_pays()
-  groups = {}
   outputs: list[Any] = [fill if t else None for t in taken]
-  for i, (c, param) in enumerate(zip(constraints, params)):
-    if taken[i]:
-      continue
-    together = stacking and c.stack_same_shape and explicit_sharding(param) is None
-    group = (hashable(c), param.shape, param.dtype) if together else i
-    groups.setdefault(group, []).append(i)
-
   columns = (params, *columns)
-  for members in groups.values():
-    c = constraints[members[0]]
-    step = lambda *args: leaf_step(c, *args)
-    if len(members) == 1:
-      (i,) = members
-      outputs[i] = step(*(column[i] for column in columns))
-      continue
-    batched = jax.vmap(step)(*(_stack([column[i] for i in members]) for column in columns))
-    for position, i in enumerate(members):
-      outputs[i] = jax.tree.map(lambda x: x[position], batched)
+  for i, c in enumerate(constraints):
+    if not taken[i]:
+      outputs[i] = leaf_step(c, *(column[i] for column in columns))
   return tuple([output[k] for output in outputs] for k in range(n_outputs))
-
-
-def _after_gradient(grad: jax.Array, tree):
-  """``tree`` computed after ``grad`` (:func:`~cola_jax._numerics.computed_after`) on XLA's CPU backend with one device.
-
-  What a step computes from the parameters and the optimizer state alone (the
-  point on the manifold: a normalised slack, a square root, a projection)
-  would otherwise run before the forward pass and stay in memory through the
-  backward pass: up to twice the constrained weights' bytes on a 12-block
-  transformer (``benchmarks/cost/update_memory.py``); 12.5 MiB of temporaries
-  against 14.0 MiB for CoLA-ud ``Circle`` with noise on eight 512 x 512
-  kernels (jax 0.10.2), which ``tests/test_xla_workarounds.py`` checks.
-  Elsewhere (a slice of a sharded gradient would move data between devices)
-  the tree is returned as it is.
-  """
-  return computed_after(grad, tree) if on_one_cpu_device() else tree
-
-
-def _stacking_pays() -> bool:
-  """Whether to stack same-shape leaves: not on XLA's CPU backend.
-
-  There a batched product is no faster than separate ones, and a batched loop
-  runs until its slowest member converges (measured slower, see
-  ``benchmarks/cost/stiefel_projection.py``).
-  """
-  return jax.default_backend() != "cpu"
-
-
-def _stack(trees: list):
-  return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
 
 
 def cola_od(
@@ -385,7 +332,7 @@ def cola_od(
     noises = _noise("overdamped", layout, auxes, leaf_keys, grad_leaves, taken)
 
     def leaf_step(c, param, grad, aux, noise):
-      param, aux = _after_gradient(grad, (param, aux))
+      param, aux = _platform.computed_after(grad, (param, aux))
       point = langevin.overdamped_step(c, c.point(param, aux), grad, h, noise_scale, noise)
       return c.unpack(point, param)
 
@@ -575,7 +522,7 @@ def cola_ud(
     noises = _noise(splitting, layout, auxes, leaf_keys, grad_leaves, taken)
 
     def leaf_step(c, param, grad, aux, stored, noise):
-      param, aux = _after_gradient(grad, (param, aux))
+      param, aux = _platform.computed_after(grad, (param, aux))
       point, momentum = c.point(param, aux), c.load_momentum(stored.astype(param.dtype))
       if splitting == "OBA":
         point, momentum = langevin.oba_step(c, point, momentum, grad, h, decay, noise_scale, noise)
