@@ -6,9 +6,8 @@ then its update rule alone: the engine assigns each leaf its constraint
 parameters (errors name the argument and the leaf's path, as in
 ``grads['layer0']['w']``, at trace time: nothing is added to the compiled
 step), gives each leaf its PRNG key, re-establishes each leaf's point on its
-manifold once, draws the leaves' noise from those points and maps a step over
-the leaves, stacking those of one constraint and shape where the transform
-asks for it.
+manifold once (after its gradient: :func:`~cola_jax._platform.computed_after`),
+draws the leaves' noise from those points and maps a step over the leaves.
 
 Every state a transform makes holds its leaves' constraint states in a field
 named :data:`CONSTRAINT_STATES`, which :func:`~cola_jax.constraint_residuals`
@@ -16,7 +15,7 @@ finds in any optimizer state (:func:`holds_constraint_states`).
 """
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -25,8 +24,8 @@ import numpy as np
 import optax
 
 from cola_jax import _compiled, _step_noise
-from cola_jax._numerics import explicit_sharding
-from cola_jax._tree import ConstraintSpec, hashable, is_function
+from cola_jax._platform import computed_after
+from cola_jax._tree import ConstraintSpec, is_function
 from cola_jax.constraints.base import Constraint, Euclidean
 
 _EUCLIDEAN = Euclidean()
@@ -205,13 +204,13 @@ class Leaves:
     key, step_key = jax.random.split(key)
     return key, jax.random.split(step_key, len(self.params))
 
-  def points(self, auxes: list, grads: list, skip: list[bool], after: Callable, stacking: bool) -> list:
-    """Each leaf's point on its manifold (None where ``skip``), computed ``after(grad, (param, aux))``."""
+  def points(self, auxes: list, grads: list, skip: list[bool]) -> list:
+    """Each leaf's point on its manifold (None where ``skip``), computed after its gradient."""
 
     def point(c, param, aux, grad):
-      return c.point(*after(grad, (param, aux)))
+      return c.point(*computed_after(grad, (param, aux)))
 
-    (points,) = self.map(1, lambda *a: (point(*a),), skip, (None,), stacking, self.compute, auxes, grads)
+    (points,) = self.map(1, lambda *a: (point(*a),), skip, (None,), self.compute, auxes, grads)
     return points
 
   def noises(self, draw: Callable, keys: jax.Array | None, points: list, grads: list, skip: list[bool]) -> list:
@@ -233,40 +232,17 @@ class Leaves:
       noises[i] = noise
     return noises
 
-  def map(self, n_outputs: int, leaf_step: Callable, skip: list[bool], fill: tuple, stacking: bool, *columns):
+  def map(self, n_outputs: int, leaf_step: Callable, skip: list[bool], fill: tuple, *columns):
     """``leaf_step(constraint, *column_entries)`` for every leaf not ``skip``-ped, transposed.
 
     ``leaf_step`` returns ``n_outputs`` values; a skipped leaf gets ``fill``
     (a tuple of as many). With no leaves the result is ``n_outputs`` empty
     lists.
-
-    With ``stacking``, leaves that share a constraint whose
-    ``stack_same_shape`` is set, the shape and dtype of their first column
-    (and carry no explicit sharding) are stacked and stepped together under
-    ``vmap``: a deep network's equal hidden layers then take one batched
-    projection loop (one kernel launch and one host synchronisation per
-    iteration) instead of one loop each. A member's result is the one it gets
-    alone.
     """
-    groups: dict[Any, list[int]] = {}
-    outputs: list[Any] = [fill if s else None for s in skip]
-    for i, (c, first) in enumerate(zip(self.constraints, columns[0])):
-      if skip[i]:
-        continue
-      together = stacking and c.stack_same_shape and explicit_sharding(first) is None
-      group = (hashable(c), first.shape, first.dtype) if together else i
-      groups.setdefault(group, []).append(i)
-
-    for members in groups.values():
-      c = self.constraints[members[0]]
-      step = functools.partial(leaf_step, c)
-      if len(members) == 1:
-        (i,) = members
-        outputs[i] = step(*(column[i] for column in columns))
-        continue
-      batched = jax.vmap(step)(*(_stack([column[i] for i in members]) for column in columns))
-      for position, i in enumerate(members):
-        outputs[i] = jax.tree.map(lambda x: x[position], batched)
+    outputs: list[Any] = [
+      fill if s else leaf_step(c, *(column[i] for column in columns))
+      for i, (c, s) in enumerate(zip(self.constraints, skip))
+    ]
     return tuple([output[k] for output in outputs] for k in range(n_outputs))
 
   def updates(self, new_params: list, given: list | None = None):
@@ -351,7 +327,3 @@ class Free:
     )
     taken = self.taken(leaves)
     return [u if t else None for u, t in zip(leaves.flatten(updates, "free's updates"), taken)], state
-
-
-def _stack(trees: Sequence):
-  return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)

@@ -16,14 +16,12 @@ and then transforms with an inverse error function; here both words are kept
 and the Box-Muller transform turns them into two independent standard normal
 numbers, so one hash, one logarithm and one square root serve two of them.
 
-On GPU each written-out hash is compiled into every kernel that consumes its
-numbers: on an H100 a 3-block transformer's noisy step compiled 1.5 to 1.9
-times as long as without noise. With
-``jax.config.update("jax_threefry_gpu_kernel_lowering", True)`` every function
-below defers to ``jax.random``, which that flag lowers on GPU to one
-precompiled Threefry kernel per draw; the numbers are then those of the
-``jax.random`` fallbacks documented below. docs/guides/scale.md gives the
-compile and step times measured both ways.
+The hash is written out on XLA's CPU backend only
+(:mod:`cola_jax._platform`); a program compiled for any other platform
+computes the same words with JAX's own Threefry primitive
+(``jax.extend.random.threefry2x32_p``, which
+``jax_threefry_gpu_kernel_lowering`` lowers to one precompiled kernel per draw
+on GPU). Every function below gives the same numbers on every backend.
 
 References:
   Salmon, Moraes, Dror, Shaw, *Parallel random numbers: as easy as 1, 2, 3*,
@@ -35,10 +33,12 @@ References:
 import math
 
 import jax
+import jax.extend.random
 import jax.numpy as jnp
 import numpy as np
 
-from cola_jax._numerics import computed_together, sincos_of_quarter_turns
+from cola_jax import _platform
+from cola_jax._numerics import sincos_of_quarter_turns
 
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _KEY_PARITY = np.uint32(0x1BD11BDA)
@@ -103,10 +103,10 @@ def normal_pair(key: jax.Array, shape: tuple[int, ...], dtype, out_sharding=None
   ``jax.random.normal`` draws from the two halves of a split key.
 
   Both arrays are computed in one pass and written to memory
-  (:func:`~cola_jax._numerics.computed_together`): every consumer reads them
+  (:func:`~cola_jax._platform.computed_together`): every consumer reads them
   rather than hash again.
   """
-  first, second = computed_together(*box_muller(key, shape, dtype, out_sharding))
+  first, second = _platform.computed_together(*box_muller(key, shape, dtype, out_sharding))
   return first, second
 
 
@@ -153,13 +153,8 @@ def _to_float(bits):
 
 
 def _threefry_words(key):
-  """The two key words of a Threefry key, or None for other generators and modes.
-
-  None also under ``jax_threefry_gpu_kernel_lowering``: the draws then go
-  through ``jax.random``, which that flag lowers to JAX's Threefry kernel on GPU.
-  """
-  config = jax.config
-  if not config.jax_threefry_partitionable or config.jax_threefry_gpu_kernel_lowering:  # pyright: ignore[reportAttributeAccessIssue]
+  """The two key words of a Threefry key, or None for other generators and modes."""
+  if not jax.config.jax_threefry_partitionable:  # pyright: ignore[reportAttributeAccessIssue]
     return None
   if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     if key.shape != () or "threefry" not in str(jax.random.key_impl(key)):
@@ -186,8 +181,20 @@ def _rotate_left(x, distance: int):
 
 
 def _threefry_2x32(words, counter_low):
-  """Threefry-2x32 of the counters ``(0, counter_low)``: its two output words."""
-  k0, k1 = words
+  """Threefry-2x32 of the counters ``(0, counter_low)``: its two output words.
+
+  Written out round by round on XLA:CPU, which lowers JAX's primitive to a
+  loop of five passes over the whole array; elsewhere that primitive.
+  """
+  return _platform.on_cpu("threefry", _threefry_rounds, _threefry_primitive, *words, counter_low)
+
+
+def _threefry_primitive(k0, k1, counter_low):
+  x0, x1 = jax.extend.random.threefry2x32_p.bind(k0, k1, jnp.zeros_like(counter_low), counter_low)
+  return x0, x1
+
+
+def _threefry_rounds(k0, k1, counter_low):
   schedule = (k0, k1, k0 ^ k1 ^ _KEY_PARITY)
   x0 = jnp.zeros_like(counter_low) + schedule[0]
   x1 = counter_low + schedule[1]

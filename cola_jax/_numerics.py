@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cola_jax import _platform
+
 # pi/2 split into three float32 parts whose products with small integers are
 # exact (Cody-Waite range reduction): k * _PIO2_HI and k * _PIO2_MID are exact
 # for k < 2**13, so the reduction is exact for |x| < FAST_SINCOS_LIMIT.
@@ -200,17 +202,6 @@ def max_abs(x: jax.Array, axis=None, keepdims: bool = False) -> jax.Array:
   return jnp.max(jnp.where(jnp.isnan(x), jnp.inf, magnitude), axis=axis, keepdims=keepdims, initial=0)
 
 
-def angle_gate_as_select() -> bool:
-  """Whether :func:`with_sincos` computes both paths and selects, rather than gating the exact one.
-
-  Off XLA:CPU: there the host would read the gate's test before going on, and
-  the exact path fused into the same elementwise pass costs nothing measurable
-  (c-CoLA-ud on an H200, ``results/gpu/cost/accelerator_loops.json``). Decided by
-  ``jax.default_backend()`` when the step is traced.
-  """
-  return jax.default_backend() != "cpu"
-
-
 Carry = TypeVar("Carry")
 
 
@@ -235,23 +226,38 @@ def bounded_while_loop(
   return jax.lax.fori_loop(0, bound, masked, init)
 
 
-def with_sincos(fn, x: jax.Array, *operands):
-  """``fn(sincos, x, *operands)``, evaluated with :func:`sincos_fast` whenever it is exact.
+def sin_cos(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(sin(x), cos(x))``: ``jnp.sin`` and ``jnp.cos``, but on XLA:CPU :func:`sincos_fast`.
 
-  The result with :func:`sincos_fast` is recomputed with the exact
+  :func:`sincos_fast` is a rotation for every finite ``x`` and exact below
+  ``2**13``.
+  """
+  if x.dtype != jnp.float32:
+    return jnp.sin(x), jnp.cos(x)
+  return _platform.on_cpu("sincos", sincos_fast, _jnp_sincos, x)
+
+
+def _jnp_sincos(x):
+  return jnp.sin(x), jnp.cos(x)
+
+
+def with_sincos(fn, x: jax.Array, *operands):
+  """``fn(sincos, x, *operands)`` with an exact ``sincos``: ``jnp.sin`` and ``jnp.cos`` but on XLA:CPU.
+
+  There the result with :func:`sincos_fast` is recomputed with the exact
   :func:`sincos` only if some ``|x| >= 2**13`` (or is NaN): a while loop of at
   most one iteration, which under ``vmap`` runs once if any member needs it
   (a ``lax.cond`` would become a select and run the exact path every step).
-  Off CPU (:func:`angle_gate_as_select`) both are computed, elementwise in
-  one pass, and selected.
   """
   if x.dtype != jnp.float32:
-    return fn(sincos, x, *operands)
+    return fn(_jnp_sincos, x, *operands)
+  return _platform.on_cpu(
+    "sincos", lambda *args: _gated_sincos(fn, *args), lambda *args: fn(_jnp_sincos, *args), x, *operands
+  )
+
+
+def _gated_sincos(fn, x, *operands):
   needed = ~(max_abs(x) < FAST_SINCOS_LIMIT)
-  if angle_gate_as_select():
-    return jax.tree.map(
-      lambda exact, fast: jnp.where(needed, exact, fast), fn(sincos, x, *operands), fn(sincos_fast, x, *operands)
-    )
   result, _ = jax.lax.while_loop(
     lambda carry: carry[1],
     lambda carry: (fn(sincos, x, *operands), jnp.array(False)),
@@ -281,7 +287,14 @@ def power_of_two_scale(m: jax.Array) -> jax.Array:
 
 
 def inverse_sqrt(z: jax.Array) -> jax.Array:
-  """Returns ``1 / sqrt(z)`` for ``z > 0`` to float32 accuracy, in plain arithmetic.
+  """``1 / sqrt(z)`` for ``z > 0``: ``lax.rsqrt``, but on XLA:CPU :func:`inverse_sqrt_in_products`."""
+  if z.dtype != jnp.float32:
+    return jax.lax.rsqrt(z)
+  return _platform.on_cpu("inverse_sqrt", inverse_sqrt_in_products, jax.lax.rsqrt, z)
+
+
+def inverse_sqrt_in_products(z: jax.Array) -> jax.Array:
+  """Returns ``1 / sqrt(z)`` for float32 ``z > 0`` to float32 accuracy, in plain arithmetic.
 
   XLA's CPU backend treats ``sqrt``, ``rsqrt`` and floating-point division as
   expensive: a value computed with them that feeds several outputs of an
@@ -292,84 +305,13 @@ def inverse_sqrt(z: jax.Array) -> jax.Array:
   error <= 1.8e-3) and one second-order step ``y (1 - e/2 + 3 e^2/8)`` with
   ``e = z y^2 - 1`` (error <= 4 e^3 / 16 < 1e-8, below float32 rounding).
   Valid for normal float32 ``z``; ``z = 0`` gives a finite, meaningless
-  value (callers handle it). Other float dtypes fall back to ``lax.rsqrt``.
+  value (callers handle it).
   """
-  if z.dtype != jnp.float32:
-    return jax.lax.rsqrt(z)
   bits = jax.lax.bitcast_convert_type(z, jnp.int32)
   y = jax.lax.bitcast_convert_type(np.int32(0x5F375A86) - (bits >> 1), jnp.float32)
   y = y * (np.float32(1.5) - np.float32(0.5) * z * y * y)
   e = z * y * y - 1
   return y - y * e * (np.float32(0.5) - np.float32(0.375) * e)
-
-
-@jax.custom_jvp
-def computed_together(*arrays: jax.Array) -> tuple[jax.Array, ...]:
-  """The arrays (all of one shape), unchanged, computed in one pass over their entries.
-
-  XLA's CPU backend has no multi-output loop fusion: each array that several
-  consumers need is recomputed inside each consumer's loop (or written out
-  piecewise, where it contains a ``log`` or ``sqrt``). A variadic reduction is
-  one loop with several results, so on CPU the arrays are returned as sums over
-  a trailing axis of length two whose second entries are negative zeros
-  (``x + (-0)`` is ``x`` exactly, and the compiler drops the addition): every
-  intermediate they share is computed once and each array is written to
-  memory once (on the CoLA-ud step of two 256 x 256 ``Circle`` kernels, the
-  inverse square root of the pair's normalisation is in 2 loops instead of 6,
-  jax 0.10.2; ``tests/test_xla_workarounds.py`` checks it). Other backends fuse
-  multi-output loops themselves and get the arrays as they are.
-
-  The reduction's loop runs over the arrays' shape with the last axis
-  innermost and vectorised (a last axis of 10 leaves most of each row to
-  scalar code), so with a single device the arrays are flattened first (a
-  free reshape); with several, where an axis may be sharded and a reshape
-  across it would move data between devices, they keep their shape.
-  """
-  if jax.default_backend() != "cpu" or not arrays:
-    return arrays
-  shape = arrays[0].shape
-  if jax.device_count() == 1:
-    arrays = tuple(x.reshape(-1) for x in arrays)
-  zeros = tuple(np.array(-0.0 if jnp.issubdtype(x.dtype, jnp.inexact) else 0, x.dtype) for x in arrays)
-  padded = tuple(jnp.stack([x, jnp.full_like(x, zero)], axis=-1) for x, zero in zip(arrays, zeros))
-  summed = jax.lax.reduce(padded, zeros, lambda a, b: tuple(u + v for u, v in zip(a, b)), (arrays[0].ndim,))
-  return tuple(x.reshape(shape) for x in summed)
-
-
-@computed_together.defjvp
-def _computed_together_jvp(primals, tangents):
-  return computed_together(*primals), tuple(tangents)
-
-
-def computed_after(grad: jax.Array, tree):
-  """``tree`` unchanged, but computed from ``grad``: XLA schedules nothing of it before ``grad`` exists.
-
-  XLA's CPU scheduler runs each operation as early as its operands allow (an
-  ``optimization_barrier`` with ``grad`` left the 12-block transformer's
-  schedule as it was: a data dependence is needed). Each array of ``tree``
-  gains a zero made from the sign bit of ``grad``'s first entry, which the
-  compiler cannot fold: floats ``-0.0`` (``x + -0.0`` is ``x`` for every
-  float, signed zeros and NaN included), integers and PRNG keys' data ``0``
-  by exclusive or.
-  """
-  if grad.size == 0:
-    return tree
-  first = grad[(0,) * grad.ndim]  # not grad.reshape(-1)[0]: a reshape of an explicitly sharded array needs its sharding
-  sign = jax.lax.bitcast_convert_type(first.astype(jnp.float32), jnp.uint32) & np.uint32(2**31)
-  high_bit = sign | np.uint32(2**31)
-  negative_zero = jax.lax.bitcast_convert_type(high_bit, jnp.float32)
-  zero_bits = high_bit ^ np.uint32(2**31)
-
-  def after(x):
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-      return jax.random.wrap_key_data(after(jax.random.key_data(x)), impl=jax.random.key_impl(x))
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-      return x + negative_zero.astype(x.dtype)
-    if jnp.issubdtype(x.dtype, jnp.integer):
-      return x ^ zero_bits.astype(x.dtype)
-    return x
-
-  return jax.tree.map(after, tree)
 
 
 def concrete_float(value: Any) -> float | None:
@@ -397,11 +339,6 @@ def is_prng_key(x) -> bool:
   return dtype == jnp.uint32 and getattr(x, "shape", ())[-1:] == (2,)
 
 
-def on_one_cpu_device() -> bool:
-  """Whether the step runs on XLA's CPU backend with one device, where the scheduling workarounds apply."""
-  return jax.default_backend() == "cpu" and jax.device_count() == 1
-
-
 def explicit_sharding(x: jax.Array):
   """``x``'s sharding when its mesh has explicit axes, else None.
 
@@ -411,31 +348,3 @@ def explicit_sharding(x: jax.Array):
   """
   sharding = jax.typeof(x).sharding
   return sharding if sharding.mesh.explicit_axes else None
-
-
-def one_matrix_at_a_time(fn: Callable) -> Callable:
-  """``fn`` (a LAPACK factorisation of one model's matrix) made to loop over a ``vmap`` batch on XLA:CPU.
-
-  jaxlib 0.10.2's CPU LAPACK kernels (``eigh``, ``svd``, ``qr``, Cholesky,
-  LU) split a batch of large matrices into tasks on XLA:CPU's intra-op thread
-  pool and block the pool thread that runs them until the tasks are done:
-  with every pool thread blocked so (two on two cores) no thread is left to
-  run the tasks, and the program deadlocks (a step of ``manifold_muon`` over
-  two seeds did, and so did the ``"qr"`` retraction of two conv kernels
-  ``(3, 3, 64, 64)`` held as 9 matrices each, with or without ``vmap``).
-  Given one matrix, LAPACK runs on the calling thread. Under ``jax.vmap``
-  (seeds, or the stack of a leaf's matrices, which
-  :class:`~cola_jax.Orthogonal` maps over) the result calls ``fn`` on one
-  member at a time (``jax.custom_batching.sequential_vmap``); unbatched it
-  computes what ``fn`` does, bit for bit. The steps took as long either way
-  (0.92 to 1.04 times, medians on 2 shared cores: the polar and QR
-  retractions of such a kernel, the polar one of 16 256 x 128 matrices and
-  of two seeds' 784 x 128 or 512 x 512 kernels). Other backends' batched
-  solvers are fine and get ``fn``. Decided by ``jax.default_backend()`` when
-  the step is traced. ``fn`` takes its arrays positionally; its keyword
-  defaults (``jnp.linalg.eigh``'s ``UPLO``) stay Python values
-  (``custom_vmap`` would trace every argument it binds).
-  """
-  if jax.default_backend() != "cpu":
-    return fn
-  return jax.custom_batching.sequential_vmap(lambda *arrays: fn(*arrays))

@@ -243,7 +243,7 @@ def riemannian(
       return c.unpack(_retract(c, q, coordinates, retraction), p)
 
     updates = leaves.flatten(inner_updates, "the inner transformation's updates")
-    new_params, new_auxes = leaves.map(2, leaf_step, leaves.free, (None, None), False, points, updates, leaves.compute)
+    new_params, new_auxes = leaves.map(2, leaf_step, leaves.free, (None, None), points, updates, leaves.compute)
     new_auxes = [aux if free else new for aux, new, free in zip(auxes, new_auxes, leaves.free)]
     return leaves.updates(new_params, updates), ConstrainedState(inner_state, leaves.unflatten(new_auxes))
 

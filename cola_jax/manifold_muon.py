@@ -18,7 +18,7 @@ Manifolds" (Bernstein, Thinking Machines, 2025) calls manifold Muon. How
 
 On XLA:CPU, under ``jax.vmap`` a step loops over the models (seeds), each
 leaf's direction and retraction one model at a time
-(:func:`~cola_jax._numerics.one_matrix_at_a_time`): jaxlib 0.10.2's batched
+(:func:`~cola_jax._platform.one_matrix_at_a_time`): jaxlib 0.10.2's batched
 CPU LAPACK kernels block the pool threads their own tasks need, and a step
 over two seeds of a 784-128-64-10 MLP deadlocked (one leaf's ADMM ``eigh``
 and another's ``svd``). A model's result under ``vmap`` is its unbatched
@@ -41,7 +41,7 @@ import optax
 from cola_jax._default_leaves import weight_matrices
 from cola_jax._engine import Leaves, check_state_type
 from cola_jax._hyperparameters import caller, check_nonnegative, check_positive, check_positive_integer
-from cola_jax._numerics import one_matrix_at_a_time
+from cola_jax._platform import one_matrix_at_a_time
 from cola_jax._tree import NOT_PARAMS, ConstraintSpec, is_params_placeholder, without_variables
 from cola_jax.constraints.base import Euclidean
 from cola_jax.constraints.orthogonal import Orthogonal
@@ -203,7 +203,7 @@ def manifold_muon(
       return one_matrix_at_a_time(functools.partial(leaf_step, c))(p, aux, d, eta)
 
     new_params, new_auxes, infos = leaves.map(
-      3, orthogonal_step, leaves.free, (None, None, None), False, leaves.compute, auxes, directions
+      3, orthogonal_step, leaves.free, (None, None, None), leaves.compute, auxes, directions
     )
     new_params = [
       p - eta * d if free else new for p, d, new, free in zip(leaves.compute, directions, new_params, leaves.free)

@@ -41,7 +41,7 @@ How ``A`` is found.
 
 On XLA:CPU, under ``jax.vmap`` :func:`steepest_tangent_direction` loops over
 the batch, one matrix at a time
-(:func:`~cola_jax._numerics.one_matrix_at_a_time`): jaxlib 0.10.2's batched
+(:func:`~cola_jax._platform.one_matrix_at_a_time`): jaxlib 0.10.2's batched
 CPU LAPACK kernels block the pool threads their own tasks need, and deadlocked
 a step of :func:`~cola_jax.manifold_muon` over two seeds.
 
@@ -62,7 +62,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from cola_jax._numerics import max_abs, one_matrix_at_a_time, power_of_two_scale
+from cola_jax._numerics import max_abs, power_of_two_scale
+from cola_jax._platform import one_matrix_at_a_time
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _INITIAL_PENALTY = 0.1  # rho for a gradient of unit Frobenius norm; balanced as the iteration goes

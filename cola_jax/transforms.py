@@ -37,7 +37,7 @@ import optax
 from cola_jax import langevin
 from cola_jax._engine import Free, Leaves, check_state_type
 from cola_jax._hyperparameters import caller, check_floating_dtype, check_nonnegative, check_positive
-from cola_jax._numerics import computed_after, concrete_float, is_prng_key, on_one_cpu_device
+from cola_jax._numerics import concrete_float, is_prng_key
 from cola_jax._tree import NOT_PARAMS, ConstraintSpec, is_params_placeholder, without_variables
 from cola_jax.langevin import SPLITTINGS, Splitting
 
@@ -125,32 +125,6 @@ def _temperature_at(temperature, count):
   whose square root would be NaN.)
   """
   return jnp.maximum(_at(temperature, count), 0.0)
-
-
-def _after_gradient(grad: jax.Array, tree):
-  """``tree`` computed after ``grad`` (:func:`~cola_jax._numerics.computed_after`) on XLA's CPU backend with one device.
-
-  What a step computes from the parameters and the optimizer state alone (the
-  point on the manifold: a normalised slack, a square root, a projection)
-  would otherwise run before the forward pass and stay in memory through the
-  backward pass: up to twice the constrained weights' bytes on a 12-block
-  transformer (``benchmarks/cost/update_memory.py``); 12.5 MiB of temporaries
-  against 14.0 MiB for CoLA-ud ``Circle`` with noise on eight 512 x 512
-  kernels (jax 0.10.2), which ``tests/test_xla_workarounds.py`` checks.
-  Elsewhere (a slice of a sharded gradient would move data between devices)
-  the tree is returned as it is.
-  """
-  return computed_after(grad, tree) if on_one_cpu_device() else tree
-
-
-def _stacking_pays() -> bool:
-  """Whether to stack same-shape leaves: not on XLA's CPU backend.
-
-  There a batched product is no faster than separate ones, and a batched loop
-  runs until its slowest member converges (measured slower, see
-  ``benchmarks/cost/stiefel_projection.py``).
-  """
-  return jax.default_backend() != "cpu"
 
 
 def cola_od(
@@ -257,17 +231,14 @@ def cola_od(
     h = _step_size_at(learning_rate, state.count)
     noise_scale = jnp.sqrt(2 * _temperature_at(temperature, state.count) * h) if noisy else None
     next_key, leaf_keys = leaves.keys(state.key, noisy)
-    stacking = _stacking_pays()
-    points = leaves.points(auxes, grad_leaves, taken, _after_gradient, stacking)
+    points = leaves.points(auxes, grad_leaves, taken)
     draw = lambda c, key, point: langevin.draw_noise(c, key, point, "overdamped")
     noises = leaves.noises(draw, leaf_keys, points, grad_leaves, taken)
 
     def leaf_step(c, param, point, grad, noise):
       return c.unpack(langevin.overdamped_step(c, point, grad, h, noise_scale, noise), param)
 
-    new_params, new_auxes = leaves.map(
-      2, leaf_step, taken, (None, None), stacking, leaves.compute, points, grad_leaves, noises
-    )
+    new_params, new_auxes = leaves.map(2, leaf_step, taken, (None, None), leaves.compute, points, grad_leaves, noises)
     return leaves.updates(new_params, free_updates), OverdampedState(
       count=jnp.asarray(optax.safe_increment(state.count)),
       key=next_key,
@@ -456,8 +427,7 @@ def cola_ud(
     tau = _temperature_at(temperature, state.count) if noisy else None
     next_key, leaf_keys = leaves.keys(state.key, noisy)
     first = state.count == 0
-    stacking = _stacking_pays()
-    points = leaves.points(auxes, grad_leaves, taken, _after_gradient, stacking)
+    points = leaves.points(auxes, grad_leaves, taken)
     noises = leaves.noises(splitting.draw, leaf_keys, points, grad_leaves, taken)
 
     def leaf_step(c, param, point, grad, stored, noise):
@@ -471,7 +441,6 @@ def cola_ud(
       leaf_step,
       taken,
       (None, None, optax.MaskedNode()),
-      stacking,
       leaves.compute,
       points,
       grad_leaves,

@@ -29,7 +29,6 @@ import optax
 import pytest
 
 import cola_jax as cola
-from cola_jax import transforms
 from cola_jax.constraints.orthogonal import from_tall_view, tall_view
 
 
@@ -393,34 +392,6 @@ def test_a_failing_unit_is_rejected_alone():
   assert not bool(state.constraint_states.converged)
   np.testing.assert_array_equal(updates[:, 1], 0)
   assert float(jnp.min(jnp.max(jnp.abs(updates[:, (0, 2, 3)]), axis=0))) > 0.05
-
-
-def test_same_shape_leaves_stepped_together_equal_leaf_by_leaf(monkeypatch):
-  """On accelerators same-shape leaves are vmapped together, around the vmap over parts."""
-  keys = jax.random.split(jax.random.key(9), 4)
-  params = {
-    "k0": 0.5 * jax.random.normal(keys[0], (2, 4, 3)),
-    "k1": 0.5 * jax.random.normal(keys[1], (2, 4, 3)),
-    "w0": jax.random.normal(keys[2], (4, 3)),
-    "w1": jax.random.normal(keys[3], (4, 3)),
-  }
-  constraints = {
-    "k0": cola.Orthogonal(row_axes=1, column_axes=2),
-    "k1": cola.Orthogonal(row_axes=1, column_axes=2),
-    "w0": PER_UNIT["pair"],
-    "w1": PER_UNIT["pair"],
-  }
-  tx = cola.cola_od(0.05, constraints=constraints, temperature=1e-3, key=jax.random.key(1))
-  monkeypatch.setattr(transforms, "_stacking_pays", lambda: True)  # as on an accelerator
-  stacked, stacked_state = _run(tx, params, 5)
-  monkeypatch.setattr(transforms, "_stacking_pays", lambda: False)
-  single, single_state = _run(tx, params, 5)
-  for name in params:
-    np.testing.assert_allclose(stacked[name], single[name], atol=2e-6, err_msg=name)
-    for field in ("iterations", "converged"):
-      assert int(getattr(stacked_state.constraint_states[name], field)) == int(
-        getattr(single_state.constraint_states[name], field)
-      ), (name, field)
 
 
 ATTENTION = {  # Flax's multi-head attention kernels (nnx.MultiHeadAttention, linen's too): 8 features, 2 heads of 4

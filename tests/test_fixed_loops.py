@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import cola_jax as cola
-from cola_jax import _numerics, langevin
+from cola_jax import langevin
 from cola_jax._numerics import max_abs
 from cola_jax.constraints import stiefel_projection
 from cola_jax.constraints.orthogonal import StiefelPoint, gram_defect, tall_view
@@ -127,22 +127,6 @@ def test_implicit_fixed_loops_match_while_loops(quasi_newton):
   for fixed_leaf, while_leaf in zip(jax.tree.leaves(fixed_state), jax.tree.leaves(while_state), strict=True):
     np.testing.assert_array_equal(fixed_leaf, while_leaf)
   np.testing.assert_allclose(jnp.sum(fixed_params**2, axis=0), 1.0, atol=1e-5)
-
-
-def test_circle_angles_beyond_the_fast_range_are_exact_without_the_gate(monkeypatch):
-  def angles(x):
-    return _numerics.with_sincos(lambda sincos, x: sincos(x), x)
-
-  x = jnp.array([0.3, 1e4, -3e5, 2.0**20 + 0.5], jnp.float32)
-  gated_program = jax.jit(lambda x: angles(x))  # a new function each: jax caches traces per function
-  gated = gated_program(x)
-  assert _has_while(angles, x)
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  assert not _has_while(lambda x: angles(x), x)
-  selected = jax.jit(lambda x: angles(x))(x)
-  np.testing.assert_array_equal(selected, gated)
-  np.testing.assert_allclose(selected[0], np.sin(np.float64(x)), atol=2e-7)
-  np.testing.assert_allclose(selected[1], np.cos(np.float64(x)), atol=2e-7)
 
 
 def test_loop_is_validated():

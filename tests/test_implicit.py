@@ -431,34 +431,6 @@ def test_constraint_holds_after_many_noisy_steps(method, mlp_problem):
   assert cola.constraint_residuals(params, state)["layer0"]["b"] is None
 
 
-@pytest.mark.slow  # tests/test_axes.py checks the same stacking on per-unit leaves
-def test_same_shape_leaves_stepped_together_equal_leaf_by_leaf(monkeypatch):
-  keys = jax.random.split(jax.random.key(16), 3)
-  params = {f"w{i}": jax.random.normal(k, (5, 4)) for i, k in enumerate(keys)}
-
-  def run():
-    tx = cola.cola_ud(0.3, friction=1.0, constraints=ZERO_MEAN, temperature=1e-3, key=jax.random.key(1))
-
-    def body(carry, _):
-      p, s = carry
-      updates, s = tx.update(jax.tree.map(jnp.sin, p), s, p)
-      return (optax.apply_updates(p, updates), s), None
-
-    return jax.jit(lambda p: jax.lax.scan(body, (p, tx.init(p)), None, length=20)[0])(params)
-
-  assert cola.Implicit.stack_same_shape
-  stacked_params, stacked_state = run()
-  monkeypatch.setattr(cola.Implicit, "stack_same_shape", False)
-  single_params, single_state = run()
-  for name in params:
-    np.testing.assert_allclose(stacked_params[name], single_params[name], atol=2e-6)
-    np.testing.assert_allclose(stacked_state.momentum[name], single_state.momentum[name], atol=2e-5)
-    for field in ("iterations", "converged"):
-      assert getattr(stacked_state.constraint_states[name], field) == getattr(
-        single_state.constraint_states[name], field
-      )
-
-
 def test_project_params():
   w = jax.random.normal(jax.random.key(15), (5, 3))
   projected = cola.project_params({"w": w, "b": jnp.ones(3)}, {"w": ZERO_MEAN, "b": None})

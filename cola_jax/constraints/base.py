@@ -127,10 +127,6 @@ class Constraint(abc.ABC):
     (Array([ 0.495, -0.2  ], dtype=float32), 0.0)
   """
 
-  # Whether the transforms step leaves of one shape together under ``vmap``:
-  # worth it when a step is a loop of small dense products (one batched loop
-  # instead of one per leaf), not for elementwise geometries.
-  stack_same_shape: ClassVar[bool] = False
   # Whether CoLA-ud's O and B steps project the noise and the force onto the
   # cotangent space together (the projection is linear): worth it where a
   # projection costs products or a solve, not where the noise is drawn in

@@ -45,13 +45,13 @@ import jax.numpy as jnp
 from cola_jax import _noise
 from cola_jax._hyperparameters import check_positive
 from cola_jax._numerics import (
-  computed_together,
   explicit_sharding,
   inverse_sqrt,
   max_abs,
   power_of_two_scale,
-  sincos_fast,
+  sin_cos,
 )
+from cola_jax._platform import computed_together
 from cola_jax.constraints.base import Constraint
 
 
@@ -225,10 +225,10 @@ class Circle(Constraint):
     The pair stays on the circle to rounding however large the momentum, and
     ``h = 0`` moves nothing. In float32 the angle is exact to 1.2e-7 below
     ``2**13`` rad; above, where the float32 angle is itself uncertain by more
-    than its spacing (1e-3 rad), the turn is by an inexactly reduced angle
-    (:func:`~cola_jax._numerics.sincos_fast`): an exact reduction there
-    (:func:`~cola_jax._numerics.with_sincos`) cost more than the rest of the
-    fused update (measured: c-CoLA-ud update 2.9x -> 5.1x SGD-m's).
+    than its spacing (1e-3 rad), the turn is on XLA:CPU by an inexactly
+    reduced angle (:func:`~cola_jax._numerics.sin_cos`): an exact reduction
+    there (:func:`~cola_jax._numerics.with_sincos`) cost more than the rest of
+    the fused update (measured: c-CoLA-ud update 2.9x -> 5.1x SGD-m's).
     """
     angle = momentum * (h * (1 / jnp.asarray(self.radius, momentum.dtype)))
     # One loop for both coordinates: the sine and cosine are computed once.
@@ -236,5 +236,5 @@ class Circle(Constraint):
 
 
 def _rotate(angle, theta, xi):
-  sin, cos = sincos_fast(angle)
+  sin, cos = sin_cos(angle)
   return cos * theta + sin * xi, cos * xi - sin * theta

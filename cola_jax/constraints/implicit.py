@@ -131,7 +131,8 @@ import numpy as np
 
 from cola_jax import _compiled, _noise
 from cola_jax._hyperparameters import check_loop, check_positive, check_positive_integer
-from cola_jax._numerics import bounded_while_loop, max_abs, one_matrix_at_a_time
+from cola_jax._numerics import bounded_while_loop, max_abs
+from cola_jax._platform import one_matrix_at_a_time
 from cola_jax.constraints import _axes
 from cola_jax.constraints._unit_layout import UnitLayout
 from cola_jax.constraints.base import Constraint
@@ -350,7 +351,7 @@ def _solve(matrix, rhs, symmetric):
   Few components: Gaussian elimination with partial pivoting, elementwise
   over the batch. Otherwise LAPACK: Cholesky for the symmetric positive
   definite ``G G^T``, LU for Newton's ``G(q) G(q_n)^T``. On CPU a ``vmap``
-  is a loop (:func:`~cola_jax._numerics.one_matrix_at_a_time`), each
+  is a loop (:func:`~cola_jax._platform.one_matrix_at_a_time`), each
   iteration the units' batch as one call: one unit at a time cost 1.42
   times as much (1.33 against 0.94 ms for the step of a 784 x 128 kernel
   with 128 units of 16 components, 2 shared cores, jax 0.10.2).
@@ -454,7 +455,6 @@ class Implicit(Constraint):
   axis: tuple[int, ...] | None = None  # an int is accepted and stored as a tuple
   loop: str = "while"
 
-  stack_same_shape = True  # small dense solves in loops: batch same-shape leaves
   project_noise_with_force = True
 
   def __post_init__(self):

@@ -81,7 +81,7 @@ import jax
 import jax.numpy as jnp
 
 from cola_jax._hyperparameters import check_static_positive
-from cola_jax._numerics import one_matrix_at_a_time
+from cola_jax._platform import one_matrix_at_a_time
 from cola_jax.constraints import _axes, stiefel_projection
 from cola_jax.constraints.base import Constraint
 from cola_jax.constraints.circle import start_slack
@@ -211,7 +211,6 @@ class MaxSpectralNorm(Constraint):
   row_axes: tuple[int, ...] | None = None  # ints are accepted and stored as tuples
   column_axes: tuple[int, ...] | None = None
 
-  stack_same_shape = True
   project_noise_with_force = True
 
   def __post_init__(self):

@@ -94,7 +94,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cola_jax import _noise
-from cola_jax._numerics import computed_together, explicit_sharding, inverse_sqrt, max_abs
+from cola_jax._numerics import explicit_sharding, inverse_sqrt, max_abs
+from cola_jax._platform import computed_together
 from cola_jax.constraints.base import Constraint
 
 # Newton iterations of the projection after its start (see the module docstring).

@@ -77,9 +77,9 @@ from cola_jax._numerics import (
   bounded_while_loop,
   explicit_sharding,
   max_abs,
-  one_matrix_at_a_time,
   power_of_two_scale,
 )
+from cola_jax._platform import one_matrix_at_a_time
 from cola_jax.constraints import _axes, stiefel_projection, stiefel_retraction
 from cola_jax.constraints.base import Constraint
 from cola_jax.constraints.stiefel_retraction import gram_defect, polar_of_tangent_step
@@ -404,7 +404,6 @@ class Orthogonal(Constraint):
   retraction: str = "newton_schulz"
   scale: float = 1.0
 
-  stack_same_shape = True
   project_noise_with_force = True
 
   def __post_init__(self):

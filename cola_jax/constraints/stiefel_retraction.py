@@ -41,7 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cola_jax._numerics import bounded_while_loop, max_abs, one_matrix_at_a_time, power_of_two_scale
+from cola_jax._numerics import bounded_while_loop, max_abs, power_of_two_scale
+from cola_jax._platform import one_matrix_at_a_time
 from cola_jax.constraints import stiefel_projection
 
 _HIGHEST = jax.lax.Precision.HIGHEST
