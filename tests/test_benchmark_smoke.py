@@ -9,6 +9,8 @@ import math
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def step_overhead(load_benchmark):

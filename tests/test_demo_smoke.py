@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def demo(load_benchmark):

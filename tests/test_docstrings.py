@@ -13,6 +13,8 @@ import pytest
 
 import cola_jax
 
+pytestmark = pytest.mark.integration
+
 MODULES = sorted(m.name for m in pkgutil.walk_packages(cola_jax.__path__, "cola_jax."))
 
 

@@ -15,6 +15,8 @@ import numpy as np
 import optax
 import pytest
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def fm(load_benchmark):

@@ -14,6 +14,8 @@ import pytest
 import cola_jax as cola
 from benchmarks.harness import report
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def gpt(load_benchmark):

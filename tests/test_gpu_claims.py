@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def gc(load_benchmark):

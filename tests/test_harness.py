@@ -10,6 +10,8 @@ import pytest
 import cola_jax as cola
 from benchmarks.harness import cli, data, models, train
 
+pytestmark = pytest.mark.integration
+
 
 def test_mlp_paths_declare_constraints_first_rule_first():
   params = models.MLP((4, 4, 1)).init(jax.random.key(0), np.zeros((1, 3)))["params"]

@@ -11,6 +11,8 @@ import pytest
 
 from benchmarks.harness import lm, perplexity, text, transformer
 
+pytestmark = pytest.mark.integration
+
 TINY = transformer.TransformerLM(23, d_model=16, n_heads=2, d_ff=12, n_layers=2)
 
 

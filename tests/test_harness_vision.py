@@ -10,6 +10,8 @@ from flax import linen as nn
 
 from benchmarks.harness import data, images, schedules, stepwise, vision
 
+pytestmark = pytest.mark.integration
+
 
 def test_cifar10_readers(tmp_path):
   rng = np.random.default_rng(0)

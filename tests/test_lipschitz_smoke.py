@@ -20,6 +20,8 @@ import pytest
 
 from benchmarks.harness import data, records, report
 
+pytestmark = pytest.mark.integration
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

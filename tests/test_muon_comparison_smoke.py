@@ -10,6 +10,8 @@ import pathlib
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):

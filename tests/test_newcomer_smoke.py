@@ -3,6 +3,10 @@
 import json
 import math
 
+import pytest
+
+pytestmark = pytest.mark.integration
+
 
 def test_smoke_run_records_every_method(load_benchmark, tmp_path):
   newcomer = load_benchmark("comparisons.newcomer")

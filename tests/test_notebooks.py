@@ -12,6 +12,8 @@ import tomllib
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 REPOSITORY = PROJECT["urls"]["Repository"]

@@ -15,6 +15,8 @@ import pytest
 import cola_jax as cola
 from benchmarks.harness import images, models, schedules, stepwise, vision
 
+pytestmark = pytest.mark.integration
+
 CONSTRAINED = {"conv1/kernel", "conv2/kernel"}
 
 

@@ -13,6 +13,8 @@ import pytest
 
 import cola_jax
 
+pytestmark = pytest.mark.integration
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PACKAGE = sorted(

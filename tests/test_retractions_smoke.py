@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.slow  # about a minute of compiles: the quick suite keeps within its time
 def test_smoke_run_writes_both_reports(load_benchmark, tmp_path):

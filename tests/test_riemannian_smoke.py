@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.slow  # a benchmark run; the optimizer's mathematics is tested in test_constrained.py
 def test_smoke_run_writes_the_documented_report(load_benchmark, tmp_path):

@@ -14,6 +14,8 @@ import pytest
 
 from cola_jax.constraints import stiefel_projection as sp
 
+pytestmark = pytest.mark.integration
+
 TOLERANCE = 1e-5
 
 

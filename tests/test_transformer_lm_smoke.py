@@ -18,7 +18,7 @@ import cola_jax as cola
 
 # The transformer's modules, corpus and loop are checked quickly in test_harness_lm.py; the
 # script's smoke run (about 25 s of compilation) is in the slow profile.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
