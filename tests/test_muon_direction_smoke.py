@@ -5,6 +5,9 @@ import json
 
 import _rounding as rounding
 import numpy as np
+import pytest
+
+pytestmark = pytest.mark.integration
 
 
 def test_the_certified_gaps_bound_the_measured_suboptimality(tmp_path):
