@@ -126,7 +126,7 @@ BATCHED = {"conv": ((2, 2, 5, 3), 2, 3), "wide": ((3, 5, 2), 0, 1), "square": ((
 @pytest.mark.parametrize(
   "method, projection",
   [
-    ("od", "quasi_newton"),
+    pytest.param("od", "quasi_newton", marks=pytest.mark.slow),  # quick: one batched run, ud for the momenta
     ("ud", "square_root"),
     pytest.param("ud", "newton", marks=pytest.mark.slow),
     pytest.param("ud", "quasi_newton", marks=pytest.mark.slow),
@@ -468,11 +468,7 @@ def test_the_per_head_rules_keep_every_head_orthonormal():
     ]
   )
   tx = cola.constrained(optax.adam(1e-2), constraints=per_head)
-  state = tx.init(params)
-  for _ in range(3):
-    grads = jax.tree.map(lambda w: _force(w), params)
-    updates, state = tx.update(grads, state, params)
-    params = optax.apply_updates(params, updates)
+  params, _ = _run(tx, params, 3)
   for h in range(2):
     q, o = params["query"]["kernel"][:, h, :], params["out"]["kernel"][h]
     np.testing.assert_allclose(q.T @ q, jnp.eye(4), atol=1e-5)

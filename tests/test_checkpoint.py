@@ -85,7 +85,15 @@ def restore(path, like):
   return restored
 
 
-@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+# Quick: free= and the chain, the states with the most parts; test_restored_state_keeps_every_part restores
+# cola_ud's ProjectionInfo and momenta, and the key-data recipe resumes c_cola_ud. The plain presets under slow.
+@pytest.mark.parametrize(
+  "name",
+  [
+    pytest.param(name, marks=pytest.mark.slow if name in ("c_cola_ud", "o_cola_ud") else ())
+    for name in sorted(TRANSFORMS)
+  ],
+)
 def test_stopped_and_resumed_run_equals_the_uninterrupted_run(name, mlp_problem, tmp_path):
   params, loss = mlp_problem
   tx = TRANSFORMS[name]()

@@ -133,7 +133,7 @@ def test_a_start_off_the_manifold_steps_from_where_project_params_puts_it():
   projected = cola.project_params(off, CATALOG)
   assert all(float(jnp.max(jnp.abs(off[name] - projected[name]))) > 0.1 for name in CATALOG if CATALOG[name])
   tx = cola.constrained(optax.sgd(0.1), constraints=CATALOG)
-  step = lambda p: optax.apply_updates(p, tx.update(grads, tx.init(p), p)[0])
+  step = jax.jit(lambda p: optax.apply_updates(p, tx.update(grads, tx.init(p), p)[0]))
   from_off, from_projected = step(off), step(projected)
   for name in CATALOG:
     np.testing.assert_allclose(from_off[name], from_projected[name], rtol=0, atol=64 * np.finfo(np.float32).eps)
@@ -241,6 +241,7 @@ def test_orbax_round_trip_resumes_the_same_run(tmp_path):
     np.testing.assert_array_equal(resumed[name], uninterrupted[name])  # the same program from the same values
 
 
+@pytest.mark.slow  # test_flax.py trains cola's methods through both (quick): constrained is a transform as they are
 def test_flax_train_state_and_nnx_optimizer_train_as_the_plain_loop():
   pytest.importorskip("flax")
   from flax import linen as nn

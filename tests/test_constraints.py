@@ -168,7 +168,8 @@ def test_rattle_a_step_is_cotangent_and_time_reversible():
   assert float(jnp.linalg.norm(new.matrix - q)) > 0.05  # it did move
 
 
-# Slow; quick: tests/test_axes.py checks each solver batched against separate leaves.
+# Slow; quick: tests/test_reliability.py's sweep takes each solver to the paper's point, and tests/test_axes.py
+# runs square_root batched against separate leaves.
 @pytest.mark.slow
 @pytest.mark.parametrize("projection", ["newton", "square_root"])
 def test_faster_projections_follow_the_papers_trajectory(projection):

@@ -234,6 +234,9 @@ def nnx_train(model, constraints):
   return nnx.as_pure(nnx.state(model, nnx.Param)), nnx.as_pure(optimizer.opt_state)
 
 
+# Quick: the linen model trains as the explicit run, and an nnx declaration starts on its manifold (the partitioning
+# test below); the nnx training run under slow.
+@pytest.mark.slow
 def test_nnx_declared_model_starts_on_the_manifold_and_trains_as_the_explicit_run():
   declared = NnxMLP(nnx.Rngs(0))
   plain = NnxMLP(nnx.Rngs(0), declare=False)

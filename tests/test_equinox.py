@@ -75,7 +75,7 @@ def test_a_mask_or_radius_tree_built_over_an_equinox_model_is_read_as_a_tree():
     cola.c_cola_od(0.1, radius=0.05, mask=mask),
   ):
     state = tx.init(params)
-    updates, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+    updates, state = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), state, params)
     residuals = cola.constraint_residuals(eqx.apply_updates(params, updates), state)
     assert [(layer.weight is None, layer.bias is None) for layer in residuals.layers] == [(False, True)] * 3
     # params + updates rounds at the scale of the old weights (up to ~0.5, beyond the bound 0.05): a few ulps / r.

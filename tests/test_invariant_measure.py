@@ -35,8 +35,9 @@ Each test also shows that it can fail: its statistic rejects a wrong answer
 law, the density without the surface-measure factor, a chain stopped too early,
 signed permutation matrices with the right second moments).
 
-``pytest`` runs the quick versions (for orthogonal matrices, the square case
-with CoLA-ud); ``pytest -m slow`` the long ones and the other quick ones.
+``pytest`` runs one quick version per law (the arcsine law with CoLA-ud, the
+Gibbs law with CoLA-od, Haar moments for the square case with CoLA-ud);
+``pytest -m slow`` the long ones and the other quick ones.
 """
 
 import dataclasses
@@ -158,7 +159,14 @@ CIRCLE_FREE = {
   "slow": dict(r=0.5, tau=0.25, gamma=1.0, n=1_000_000, od=dict(h=0.01, steps=2_000), ud=dict(h=0.05, steps=800)),
 }
 
-SIZES = [pytest.param("quick", id="quick"), pytest.param("slow", id="slow", marks=pytest.mark.slow)]
+
+def _circle_cases(quick_method):
+  """(method, size) for both methods and sizes: only ``quick_method``'s quick version outside slow."""
+  return quick_or_slow(
+    [(method, size) for size in ("quick", "slow") for method in ("od", "ud")],
+    {(quick_method, "quick")},
+    ids=lambda method, size: f"{method}-{size}",
+  )
 
 
 def _config(table, size, method):
@@ -169,8 +177,7 @@ def _config(table, size, method):
   return cfg
 
 
-@pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("method", ["od", "ud"])
+@pytest.mark.parametrize("method, size", _circle_cases("ud"))
 def test_circle_without_force_samples_the_arcsine_law(method, size):
   cfg = _config(CIRCLE_FREE, size, method)
   r = cfg["r"]
@@ -222,8 +229,7 @@ CIRCLE_FORCE = {
 }
 
 
-@pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("method", ["od", "ud"])
+@pytest.mark.parametrize("method, size", _circle_cases("od"))
 def test_circle_with_quadratic_potential_samples_its_gibbs_law(method, size):
   cfg = _config(CIRCLE_FORCE, size, method)
   r, tau, k, c = cfg["r"], cfg["tau"], cfg["k"], cfg["c"]

@@ -73,7 +73,9 @@ def _numbers(tree):
   return jax.tree.map(as_data, tree)
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize(  # quick: the polar factor's eigh and SVD; the QR and the implicit solves under slow
+  "name", [pytest.param(name, marks=() if name == "polar" else pytest.mark.slow) for name in CASES]
+)
 def test_a_vmapped_step_factors_one_matrix_at_a_time_and_is_each_seed_s_step(name):
   init, step = _model(name)
   keys = jax.random.split(jax.random.key(0), 2)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import cola_jax as cola
 
@@ -56,6 +57,7 @@ def max_residual(params, state):
 # Clipping before CoLA.
 
 
+@pytest.mark.slow  # quick: test_constrained.py checks a clip before a transform is it on clipped gradients
 def test_clip_by_global_norm_then_cola_is_cola_on_clipped_gradients(mlp_problem):
   params, loss = mlp_problem
   max_norm = 0.05
@@ -78,6 +80,7 @@ def test_clip_by_global_norm_then_cola_is_cola_on_clipped_gradients(mlp_problem)
 # schedule alone are covered in test_transforms.py).
 
 
+@pytest.mark.slow  # test_optax_contract.py's scheduled hyperparameters stay quick
 def test_inject_hyperparams_with_learning_rate_and_temperature_schedules(mlp_problem):
   params, loss = mlp_problem
   steps, anneal = 12, 8
@@ -120,6 +123,7 @@ def test_inject_hyperparams_with_learning_rate_and_temperature_schedules(mlp_pro
 # Gradient accumulation.
 
 
+@pytest.mark.slow  # test_optax_contract.py's MultiSteps mean-gradient test stays quick
 def test_multisteps_accumulates_k_gradients_into_one_cola_step(mlp_problem):
   params, loss = mlp_problem
   k = 3
@@ -204,6 +208,7 @@ def cola_and_adam_labels(params):
   return {"layer0": "cola", "layer1": "cola", "layer2": "adam"}
 
 
+@pytest.mark.slow  # test_free.py runs cola_od and cola_ud inside optax.partition against free= (quick)
 def test_partition_cola_with_adam_matches_separate_optimizers(mlp_problem):
   params, loss = mlp_problem
   # A callable spec: the partition hands the CoLA group the parameters with

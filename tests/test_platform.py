@@ -96,7 +96,9 @@ def test_every_step_exports_for_an_accelerator_as_the_plain_program(method, plat
   assert _operations(exported) == _operations(plain)
 
 
-@pytest.mark.parametrize("method", ["c_cola_ud", "cola_od", "o_cola_od"])
+@pytest.mark.parametrize(  # one suffices to show the comparison can fail; the others under slow
+  "method", ["c_cola_ud", *(pytest.param(m, marks=pytest.mark.slow) for m in ("cola_od", "o_cola_od"))]
+)
 def test_the_cpu_program_holds_the_cpu_mechanisms(method):
   # The comparison above can tell the programs apart: on CPU they differ.
   exported = _exported(METHODS[method], "cpu")
@@ -141,11 +143,13 @@ def implicit_zero_sum():
       ),
       cola.Orthogonal(),
       id="ud-baoab",
+      marks=pytest.mark.slow,  # the draws are the constraint's and splitting's business in neither case
     ),
     pytest.param(
       lambda c: cola.cola_ud(0.1, friction=1.0, constraints=c, temperature=1e-2, key=jax.random.key(0)),
       implicit_zero_sum(),
       id="ud-implicit",
+      marks=pytest.mark.slow,
     ),
   ],
 )

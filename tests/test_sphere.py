@@ -108,7 +108,7 @@ def test_axis_all_is_one_unit_the_whole_leaf():
     assert float(jnp.linalg.norm(c.nearest(w))) == pytest.approx(0.99 * 2.0, rel=1e-6)  # 1 % inside: free to move
 
 
-@pytest.mark.parametrize("method", ["od", "ud"])
+@pytest.mark.parametrize("method", ["od", pytest.param("ud", marks=pytest.mark.slow)])  # the ball is the method's
 def test_axis_all_holds_the_frobenius_ball_with_residuals(method):
   """A matrix of norm 0.5 stays where it is, one of norm 3 is scaled to norm 0.99; noisy steps keep ``|W|_F <= 1``."""
   c = cola.MaxNorm(1.0, axis="all")
@@ -139,9 +139,9 @@ def test_axis_all_holds_the_frobenius_ball_with_residuals(method):
   "shape, axis, slack_shape",
   [
     ((4, 3), None, (1, 3)),  # Dense kernel: one unit per output column
-    ((3, 3, 2, 4), None, (1, 1, 1, 4)),  # conv kernel: one unit per output filter
-    ((3, 3, 2, 4), (0, 1), (1, 1, 2, 4)),
-    ((4, 3), 1, (4, 1)),
+    pytest.param((3, 3, 2, 4), None, (1, 1, 1, 4), marks=pytest.mark.slow),  # conv kernel: a unit per filter
+    pytest.param((3, 3, 2, 4), (0, 1), (1, 1, 2, 4), marks=pytest.mark.slow),  # (the axes as for (4, 3))
+    pytest.param((4, 3), 1, (4, 1), marks=pytest.mark.slow),
     ((4, 3), -1, (4, 1)),
     ((5,), None, (5,)),  # a vector: every entry its own unit (the circle)
     ((5,), 0, (1,)),
@@ -307,9 +307,19 @@ EQUIVALENCE = [
 ]
 
 
-@pytest.mark.parametrize("method, tau", EQUIVALENCE)
-@pytest.mark.parametrize("shape, axis", [((1, 7), 0), ((7,), None)], ids=["row-axis0", "vector"])
-def test_one_weight_per_unit_is_the_circle(method, tau, shape, axis):
+UNIT_LAYOUTS = {"row-axis0": ((1, 7), 0), "vector": ((7,), None)}
+
+
+@pytest.mark.parametrize(
+  "layout, method, tau",
+  quick_or_slow(  # quick: each layout once, with and without noise
+    [(layout, method, tau) for layout in UNIT_LAYOUTS for method, tau in EQUIVALENCE],
+    {("row-axis0", "od", 0.0), ("vector", "ud", 1e-2)},
+    ids=lambda layout, method, tau: f"{layout}-{method}-{tau}",
+  ),
+)
+def test_one_weight_per_unit_is_the_circle(layout, method, tau):
+  shape, axis = UNIT_LAYOUTS[layout]
   r = 0.5
   w = jnp.linspace(-0.7, 0.6, 7).reshape(shape)  # one weight starts outside
   key = jax.random.key(3) if tau else None
@@ -434,8 +444,8 @@ def _z_scores(statistics):
   }
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 6])
-def test_uniform_sphere_formulas(n):
+@pytest.mark.parametrize("n", [pytest.param(n, marks=() if n == 3 else pytest.mark.slow) for n in (1, 2, 3, 6)])
+def test_uniform_sphere_formulas(n):  # quick: S^3, the sphere the quick sampling test draws
   """The moments and the Beta(n/2, n/2) marginal hold for exact uniform samples."""
   g = np.random.default_rng(n).standard_normal((n + 1, 200_000))
   x = g / np.linalg.norm(g, axis=0)

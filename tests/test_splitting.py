@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _cases import quick_or_slow
 
 import cola_jax as cola
 from cola_jax import langevin
@@ -76,12 +77,21 @@ def test_baoab_without_noise_or_friction_is_velocity_verlet():
   np.testing.assert_allclose(state.momentum - h / 2 * omega2 * q, p_ref, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("splitting", ["BAOAB", cola.Splitting("OBABO")], ids=["BAOAB", "OBABO"])
+SPLITTINGS = {"BAOAB": "BAOAB", "OBABO": cola.Splitting("OBABO")}
+MLP_CONSTRAINTS = {"circle": cola.circle_constraints(0.1), "orthogonal": cola.orthogonal_constraints()}
+
+
 @pytest.mark.parametrize(
-  "constraints", [cola.circle_constraints(0.1), cola.orthogonal_constraints()], ids=["circle", "orthogonal"]
+  "constraint_name, splitting_name",
+  quick_or_slow(  # quick: each splitting and each constraint once
+    [(c, s) for c in MLP_CONSTRAINTS for s in SPLITTINGS],
+    {("circle", "BAOAB"), ("orthogonal", "OBABO")},
+    ids=lambda c, s: f"{c}-{s}",
+  ),
 )
-def test_splittings_keep_the_constraints(constraints, splitting, mlp_problem):
+def test_splittings_keep_the_constraints(constraint_name, splitting_name, mlp_problem):
   params, loss = mlp_problem
+  constraints, splitting = MLP_CONSTRAINTS[constraint_name], SPLITTINGS[splitting_name]
   tx = cola.cola_ud(
     0.1, friction=1.0, constraints=constraints, temperature=1e-5, key=jax.random.key(0), splitting=splitting
   )

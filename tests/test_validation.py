@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _cases import quick_or_slow
 
 import cola_jax as cola
 
@@ -29,6 +30,13 @@ FACTORIES = {
   "o_cola_ud": lambda **kw: cola.o_cola_ud(kw.pop("learning_rate", 0.1), friction=kw.pop("friction", 1.0), **kw),
 }
 UNDERDAMPED = ("cola_ud", "c_cola_ud", "o_cola_ud")
+
+
+def _owners(owners, quick):
+  """``owners`` as parameters, those outside ``quick`` under slow."""
+  return quick_or_slow([(o,) for o in owners], {(o,) for o in quick}, ids=lambda o: o)
+
+
 ORTHOGONAL = ("o_cola_od", "o_cola_ud")
 
 
@@ -115,7 +123,7 @@ def test_traced_hyperparameters_pass_construction():
 # Schedules that reach or cross zero.
 
 
-@pytest.mark.parametrize("owner", FACTORIES)
+@pytest.mark.parametrize("owner", _owners(FACTORIES, {"cola_od", "cola_ud"}))  # the presets' steps are these
 def test_schedule_ending_at_zero_or_rounding_below_it_moves_nothing(owner):
   """A learning rate of 0 (cosine decay's end) or just below (linear_schedule's rounding) moves nothing."""
   params = {"w": jnp.linspace(-0.3, 0.3, 6).reshape(3, 2) * 0.2, "b": jnp.ones(2)}
@@ -191,7 +199,7 @@ def test_gradients_of_another_structure_are_an_error():
     tx.update({"dense": {"kernel": jnp.ones((3, 2))}}, tx.init(PARAMS), PARAMS)
 
 
-@pytest.mark.parametrize("owner", FACTORIES)
+@pytest.mark.parametrize("owner", _owners(FACTORIES, {"cola_od", "cola_ud", "o_cola_ud"}))  # and a preset's default
 def test_python_and_numpy_scalar_leaves_are_used_as_optax_uses_them(owner):
   params = {"scale": 0.5, "offset": np.float32(0.25), "dense": {"kernel": jnp.full((3, 2), 0.05)}}
   tx = FACTORIES[owner]()
@@ -432,7 +440,11 @@ def _small_transformer():
   }
 
 
-@pytest.mark.parametrize("owner", DEFAULTS)
+# Quick: a c- and an o- preset (each family's rule and message) and hyperspherical descent's UnitNorm.
+QUICK_DEFAULTS = {"c_cola_ud", "o_cola_ud", "hyperspherical_descent"}
+
+
+@pytest.mark.parametrize("owner", _owners(DEFAULTS, QUICK_DEFAULTS))
 def test_every_default_takes_the_weight_matrices_and_names_them(owner):
   """One rule: leaves of ndim >= 2 but biases, scales and embedding tables; a warning lists them and the fix.
 
@@ -455,7 +467,7 @@ def test_every_default_takes_the_weight_matrices_and_names_them(owner):
     np.testing.assert_array_equal(new[layer][name], params[layer][name])  # free, with a zero gradient: still
 
 
-@pytest.mark.parametrize("owner", DEFAULTS)
+@pytest.mark.parametrize("owner", _owners(DEFAULTS, QUICK_DEFAULTS))
 def test_a_default_is_quiet_when_told_or_when_there_is_one_matrix(owner):
   """A mask, a radius per layer, optax.partition's labels (which route 2-D leaves whatever their names), one
   matrix, one array."""
