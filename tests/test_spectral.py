@@ -249,9 +249,9 @@ def test_orthogonal_scale_is_the_unit_dynamics_of_w_over_s():
 
   def run(constraint, w, h, tau, scale_grad):
     tx = cola.cola_od(h, constraints=constraint, temperature=tau, key=jax.random.key(6))
-    state = tx.init(w)
+    state, update = tx.init(w), jax.jit(tx.update)  # compiled once, reused by every step
     for _ in range(steps):
-      updates, state = tx.update(scale_grad(w), state, w)
+      updates, state = update(scale_grad(w), state, w)
       w = optax.apply_updates(w, updates)
     return w
 
