@@ -56,7 +56,7 @@ def _brute_force_value(w, g, starts):
   return -best.fun, a / np.linalg.norm(a, 2)
 
 
-# (4, 2) is the costliest search (six dimensions of Nelder-Mead): slow; (3, 2) keeps a tall case quick.
+# (4, 2), the largest tangent space searched by Nelder-Mead, is slow; (3, 2) keeps a tall case quick.
 @pytest.mark.parametrize(
   "shape", [(3, 2), pytest.param((4, 2), marks=pytest.mark.slow), (2, 2), (3, 3), (3, 1)], ids=str
 )
@@ -160,13 +160,14 @@ def test_without_momentum_a_step_is_the_reference_rule():
   np.testing.assert_allclose(np.asarray(w + updates), _polar(w - 0.1 * a), atol=2e-6)
 
 
+# Quick: a tall leaf and a per-tap kernel; wide leaves are test_spectral's (Orthogonal(scale), manifold_muon).
 @pytest.mark.parametrize(
   "shape, constraint",
   [
     ((6, 3), cola.Orthogonal()),
-    ((3, 6), cola.Orthogonal()),
-    ((4, 4), cola.Orthogonal()),
-    ((3, 3, 4, 5), cola.Orthogonal()),
+    pytest.param((3, 6), cola.Orthogonal(), marks=pytest.mark.slow),
+    pytest.param((4, 4), cola.Orthogonal(), marks=pytest.mark.slow),
+    pytest.param((3, 3, 4, 5), cola.Orthogonal(), marks=pytest.mark.slow),
     ((3, 3, 4, 5), cola.Orthogonal(row_axes=(2,), column_axes=(3,))),
   ],
 )
