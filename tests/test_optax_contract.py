@@ -152,7 +152,8 @@ REPRESENTATIVE = {
   "o_cola_ud": "orthogonal",
 }
 QUICK = set(REPRESENTATIVE.items()) | {("cola_ud", "spectral"), ("adam", "orthogonal_scaled")}
-FEW = {("cola_ud", "circle"), ("adam", "sphere"), ("sgd_momentum", "nonnegative"), ("o_cola_od", "orthogonal")}
+# The wrappers' tests: a cola transform and an optax optimizer under constrained(); the other pairs are slow.
+FEW = {("cola_ud", "circle"), ("adam", "sphere")}
 
 
 def _ids(*case):

@@ -10,10 +10,11 @@ manifold to the dtype's tolerance, or the step is flagged
 (``ProjectionInfo.converged`` / ``ImplicitState.converged`` False), or a NaN
 shows in the parameter or its residual.
 
-Profiles: ``quick`` (the default, few derandomized examples; compilation
-dominates, so each method and constraint compiles once, for one tree with a
-leaf of every kind and dtype, and hypothesis draws the values: hyperparameters
-are traced arguments) and ``long`` (``pytest -m slow``: the leaves' shapes and
+Profiles: ``quick`` (few derandomized examples; compilation dominates, so
+each method and constraint compiles once, for one tree with a leaf of every
+kind and dtype, and hypothesis draws the values: hyperparameters are traced
+arguments; the quick suite runs three of its cases, one per method, the slow
+tier the others) and ``long`` (``pytest -m slow``: the leaves' shapes and
 dtypes are drawn too).
 """
 
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _cases import quick_or_slow
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -212,8 +214,13 @@ def _test(method, constraint_name, data, layouts):
 
 CASES = [pytest.param(m, c, id=f"{m}-{c}") for m in METHODS for c in CONSTRAINTS]
 # The quick profile takes every constraint once, the methods in turn (compilation
-# dominates); the long profile takes every pair.
-QUICK_CASES = [pytest.param(m, c, id=f"{m}-{c}") for m, c in zip(list(METHODS) * len(CONSTRAINTS), CONSTRAINTS)]
+# dominates); the quick suite keeps one case per method (a matrix manifold's projection,
+# Newton's iterations, the spectral ball), the slow tier the others; the long profile takes every pair.
+QUICK_CASES = quick_or_slow(
+  list(zip(list(METHODS) * len(CONSTRAINTS), CONSTRAINTS)),
+  {("cola_od", "orthogonal"), ("cola_ud_oba", "implicit"), ("cola_ud_baoab", "spectral")},
+  ids=lambda m, c: f"{m}-{c}",
+)
 
 
 @pytest.mark.parametrize("method, constraint_name", QUICK_CASES)

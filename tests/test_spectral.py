@@ -133,7 +133,9 @@ def _methods(c, key):
 METHODS = tuple(_methods(None, jax.random.key(0)))
 CASES = quick_or_slow(
   [(m, shape) for m in METHODS for shape in ((6, 3), (3, 6), (2, 3, 4))],
-  {(m, (6, 3)) for m in METHODS} | {("cola_ud_noisy", (3, 6)), ("cola_od_noisy", (2, 3, 4))},
+  # The presets and constrained(sgd) wrap what cola_od and constrained(adam) run; cola_ud runs noisy, wide.
+  {(m, (6, 3)) for m in ("cola_od", "cola_od_noisy", "o_cola_ud_constraints", "constrained_adam")}
+  | {("cola_ud_noisy", (3, 6)), ("cola_od_noisy", (2, 3, 4))},
 )
 
 
@@ -201,8 +203,14 @@ def test_a_parameter_changed_outside_the_optimizer_shows_in_the_residual():
 # Orthogonal(scale=s)
 
 
-@pytest.mark.parametrize("shape", [(6, 3), (3, 6), (2, 3, 4)])
-@pytest.mark.parametrize("method", ["cola_od", "cola_ud", "constrained_adam", "manifold_muon"])
+# Quick: each method once, each shape at least once; the other pairs are slow.
+@pytest.mark.parametrize(
+  "method, shape",
+  quick_or_slow(
+    [(m, s) for m in ("cola_od", "cola_ud", "constrained_adam", "manifold_muon") for s in ((6, 3), (3, 6), (2, 3, 4))],
+    {("cola_od", (6, 3)), ("cola_ud", (2, 3, 4)), ("constrained_adam", (6, 3)), ("manifold_muon", (3, 6))},
+  ),
+)
 def test_orthogonal_scale_holds_w_t_w_equal_s2_i(method, shape):
   s = 2.5
   axes = {"row_axes": 1, "column_axes": 2} if len(shape) == 3 else {}
@@ -249,9 +257,9 @@ def test_orthogonal_scale_is_the_unit_dynamics_of_w_over_s():
 
   def run(constraint, w, h, tau, scale_grad):
     tx = cola.cola_od(h, constraints=constraint, temperature=tau, key=jax.random.key(6))
-    state = tx.init(w)
+    state, update = tx.init(w), jax.jit(tx.update)  # compiled once, reused by every step
     for _ in range(steps):
-      updates, state = tx.update(scale_grad(w), state, w)
+      updates, state = update(scale_grad(w), state, w)
       w = optax.apply_updates(w, updates)
     return w
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _cases import quick_or_slow
 
 import cola_jax as cola
 
@@ -127,9 +128,8 @@ def _one_quick(names, quick):
 @pytest.mark.parametrize("name", _one_quick(sorted(NOISY), "c_cola_ud"))
 def test_same_key_is_bit_identical_and_other_keys_differ(name, mlp_problem):
   params, loss = mlp_problem
-  a, _ = run(NOISY[name](jax.random.key(3)), params, loss, 20)
-  b, _ = run(NOISY[name](jax.random.key(3)), params, loss, 20)
-  c, _ = run(NOISY[name](jax.random.key(4)), params, loss, 20)
+  train = jax.jit(lambda key: run(NOISY[name](key), params, loss, 20)[0])  # one program, run for each key
+  a, b, c = train(jax.random.key(3)), train(jax.random.key(3)), train(jax.random.key(4))
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   differences = [float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(c))]
@@ -230,8 +230,9 @@ def test_vmap_over_keys_runs_independent_seeds(name, mlp_problem):
   params, loss = mlp_problem
   keys = jax.random.split(jax.random.key(7), 3)
   batched, _ = jax.vmap(lambda k: run(NOISY[name](k), params, loss, 10))(keys)
+  alone = jax.jit(lambda k: run(NOISY[name](k), params, loss, 10))  # one program, run for each key
   for i in range(3):
-    single, _ = run(NOISY[name](keys[i]), params, loss, 10)
+    single, _ = alone(keys[i])
     assert_trees_close(jax.tree.map(lambda x: x[i], batched), single, rtol=1e-5, atol=1e-6)
   assert float(jnp.max(jnp.abs(batched["layer1"]["w"][0] - batched["layer1"]["w"][1]))) > 0
 
@@ -437,18 +438,29 @@ def test_project_params_puts_constrained_leaves_on_the_manifold(mlp_problem):
   assert max(float(jnp.max(jnp.abs(u))) for u in jax.tree.leaves(updates)) <= 1e-6
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_low_precision_parameters_keep_their_dtype_and_the_constraint(dtype, mlp_problem):
+LOW_PRECISION = {
+  "c_cola_ud": lambda: cola.c_cola_ud(0.3, friction=1.0, radius=0.2, temperature=1e-5, key=jax.random.key(0)),
+  "o_cola_od": lambda: cola.o_cola_od(0.05, temperature=1e-6, key=jax.random.key(0)),
+}
+
+
+# The quick suite takes each dtype once, with each preset once; the other pairs are slow.
+@pytest.mark.parametrize(
+  "dtype, name",
+  quick_or_slow(
+    [(d, n) for d in (jnp.bfloat16, jnp.float16) for n in LOW_PRECISION],
+    {(jnp.bfloat16, "c_cola_ud"), (jnp.float16, "o_cola_od")},
+    ids=lambda d, n: f"{jnp.dtype(d).name}-{n}",
+  ),
+)
+def test_low_precision_parameters_keep_their_dtype_and_the_constraint(dtype, name, mlp_problem):
   params, loss = mlp_problem
   low = jax.tree.map(lambda p: p.astype(dtype), params)
-  for tx in (
-    cola.c_cola_ud(0.3, friction=1.0, radius=0.2, temperature=1e-5, key=jax.random.key(0)),
-    cola.o_cola_od(0.05, temperature=1e-6, key=jax.random.key(0)),
-  ):
-    new, state = run(tx, low, lambda p, i: loss(jax.tree.map(lambda x: x.astype(jnp.float32), p), i), 50)
-    assert all(x.dtype == dtype for x in jax.tree.leaves(new))
-    residual = max(float(r) for r in jax.tree.leaves(cola.constraint_residuals(new, state)))
-    assert residual <= 8 * float(jnp.finfo(dtype).eps), residual
+  loss_in_float32 = lambda p, i: loss(jax.tree.map(lambda x: x.astype(jnp.float32), p), i)
+  new, state = run(LOW_PRECISION[name](), low, loss_in_float32, 50)
+  assert all(x.dtype == dtype for x in jax.tree.leaves(new))
+  residual = max(float(r) for r in jax.tree.leaves(cola.constraint_residuals(new, state)))
+  assert residual <= 8 * float(jnp.finfo(dtype).eps), residual
 
 
 class _CountedCircle(cola.Circle):
