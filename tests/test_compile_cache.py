@@ -13,6 +13,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.integration  # processes of their own
+
 CHECK = pathlib.Path(__file__).with_name("compile_cache_check.py")
 HIT, MISS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
 TIMEOUT_S = 300

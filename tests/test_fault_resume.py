@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.integration  # processes of their own
+
 pytest.importorskip("orbax.checkpoint")
 
 WORKER = pathlib.Path(__file__).with_name("fault_run.py")

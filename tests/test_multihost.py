@@ -20,6 +20,8 @@ import jax
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.integration  # processes of their own
+
 pytest.importorskip("orbax.checkpoint")
 
 CHECK = pathlib.Path(__file__).with_name("multihost_check.py")

@@ -15,6 +15,8 @@ import sys
 import pytest
 from _cases import quick_or_slow
 
+pytestmark = pytest.mark.integration  # processes of their own
+
 CHECK = pathlib.Path(__file__).with_name("sharding_check.py")
 METHODS_AND_LAYOUTS = [
   (method, layout) for method in ("c_cola_ud", "o_cola_od") for layout in ("data", "model_rows", "model_cols")

@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.integration  # processes of their own
+
 CHECK = pathlib.Path(__file__).with_name("state_sharding_check.py")
 KERNELS = ("['layer0']['w']", "['layer1']['w']")
 PARAM_SHAPED = {
