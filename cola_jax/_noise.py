@@ -1,16 +1,27 @@
-r"""Standard normal noise: two numbers per Threefry hash, by Box-Muller.
+r"""Standard normal noise, equal to ``jax.random.normal`` and cheaper to fuse.
 
 JAX's default generator hashes each entry's index with Threefry-2x32 (20
-rounds of add, rotate, xor; Salmon et al. 2011), which gives two 32-bit words
-per counter; ``jax.random.normal`` xors them into one number and transforms
-it with an inverse error function. :func:`normal_pair` and
-:func:`normal_paired` draw from the same key and the same counters a
-different stream, at half the cost: both words are kept and the Box-Muller
-transform turns them into two independent standard normal numbers, so one
-hash, one logarithm and one square root serve two of them. The words come
-from JAX's own Threefry primitive (``jax.extend.random.threefry2x32_p``, which
+rounds of add, rotate, xor; Salmon et al. 2011). On CPU, JAX lowers the 20
+rounds as a loop of five iterations over the whole array, which keeps compile
+times short but makes every draw five passes over memory, written and read
+back. Inside a Langevin step that loop cost more than the rest of the
+update. :func:`normal` computes the same hash written out round by round, so
+that XLA fuses it, the conversion to a normal and its consumers into one pass;
+the numbers are those of ``jax.random.normal(key, shape, dtype)``, bit for bit.
+
+:func:`normal_pair` and :func:`normal_paired` draw from the same key and the
+same counters a different stream, at half the cost: Threefry-2x32 hashes each
+counter to two 32-bit words, which ``jax.random.normal`` xors into one number
+and then transforms with an inverse error function; here both words are kept
+and the Box-Muller transform turns them into two independent standard normal
+numbers, so one hash, one logarithm and one square root serve two of them.
+
+The hash is written out on XLA's CPU backend only
+(:mod:`cola_jax._platform`); a program compiled for any other platform
+computes the same words with JAX's own Threefry primitive
+(``jax.extend.random.threefry2x32_p``, which
 ``jax_threefry_gpu_kernel_lowering`` lowers to one precompiled kernel per draw
-on GPU), so every function below gives the same numbers on every backend.
+on GPU). Every function below gives the same numbers on every backend.
 
 References:
   Salmon, Moraes, Dror, Shaw, *Parallel random numbers: as easy as 1, 2, 3*,
@@ -28,6 +39,48 @@ import numpy as np
 
 from cola_jax import _platform
 from cola_jax._numerics import sincos_of_quarter_turns
+
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+_KEY_PARITY = np.uint32(0x1BD11BDA)
+# jax.random.normal draws u uniform on [nextafter(-1, 0), 1) and returns sqrt(2) erfinv(u).
+_LOW = np.nextafter(np.float32(-1), np.float32(0))
+_WIDTH = np.float32(1) - _LOW
+
+
+def normal(key: jax.Array, shape: tuple[int, ...], dtype, out_sharding=None) -> jax.Array:
+  """``jax.random.normal(key, shape, dtype, out_sharding=out_sharding)``, bit for bit.
+
+  Written out for float32 and Threefry keys in JAX's default partitionable
+  mode (``jax_threefry_partitionable``); anything else is passed to
+  ``jax.random.normal``.
+  """
+  words = _threefry_words(key)
+  if words is None or jnp.dtype(dtype) != jnp.float32 or math.prod(shape) >= 2**32:
+    return jax.random.normal(key, shape, dtype, out_sharding=out_sharding)
+  bits = jnp.bitwise_xor(*_threefry_2x32(words, _linear_index(shape, out_sharding)))
+  mantissa = (bits >> np.uint32(9)) | np.float32(1).view(np.uint32)
+  uniform = jax.lax.bitcast_convert_type(mantissa, jnp.float32) - np.float32(1)
+  uniform = jnp.maximum(_LOW, uniform * _WIDTH + _LOW)
+  return np.float32(np.sqrt(2)) * jax.lax.erf_inv(uniform)
+
+
+def fold_in(key: jax.Array, data: int) -> jax.Array:
+  """``jax.random.fold_in(key, data)``, bit for bit, as one written-out hash.
+
+  JAX runs a fold-in's Threefry rounds on CPU as a loop, a while loop of the
+  compiled program that costs about a tenth of a second to compile; written
+  out, the few scalar operations fuse with their consumer. Written out for
+  Threefry keys in partitionable mode and ``0 <= data < 2**32``; anything else
+  is passed to ``jax.random.fold_in``.
+  """
+  words = _threefry_words(key)
+  if words is None or not 0 <= data < 2**32:
+    return jax.random.fold_in(key, data)
+  # Computed once: the consumers of the key read it rather than repeat the rounds.
+  folded = jax.lax.optimization_barrier(jnp.stack(_threefry_2x32(words, jnp.uint32(data))))
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    return jax.random.wrap_key_data(folded, impl=jax.random.key_impl(key))
+  return folded
 
 
 def normal_pair(key: jax.Array, shape: tuple[int, ...], dtype, out_sharding=None) -> tuple[jax.Array, jax.Array]:
@@ -83,11 +136,12 @@ def normal_paired(key: jax.Array, shape: tuple[int, ...], dtype, out_sharding=No
   with that axis halved), computed in one loop. The pairs lie along an outer
   axis, so that the loops that read the noise stay contiguous and
   vectorised, and a pair never straddles a shard of an evenly split axis.
-  Shapes without such an axis get ``jax.random.normal``'s numbers.
+  Shapes without such an axis get :func:`normal` (``jax.random.normal``'s
+  numbers).
   """
   axis = next((a for a in range(len(shape) - 1) if shape[a] % 2 == 0), None)
   if axis is None:
-    return jax.random.normal(key, shape, dtype, out_sharding=out_sharding)
+    return normal(key, shape, dtype, out_sharding=out_sharding)
   half = shape[:axis] + (shape[axis] // 2,) + shape[axis + 1 :]
   first, second = normal_pair(key, half, dtype, out_sharding=out_sharding)
   return jnp.stack([first, second], axis=axis + 1).reshape(shape)
@@ -122,8 +176,32 @@ def _linear_index(shape, out_sharding) -> jax.Array:
   return index
 
 
+def _rotate_left(x, distance: int):
+  return (x << np.uint32(distance)) | (x >> np.uint32(32 - distance))
+
+
 def _threefry_2x32(words, counter_low):
-  """Threefry-2x32 of the counters ``(0, counter_low)``: its two output words."""
-  k0, k1 = words
+  """Threefry-2x32 of the counters ``(0, counter_low)``: its two output words.
+
+  Written out round by round on XLA:CPU, which lowers JAX's primitive to a
+  loop of five passes over the whole array; elsewhere that primitive.
+  """
+  return _platform.on_cpu("threefry", _threefry_rounds, _threefry_primitive, *words, counter_low)
+
+
+def _threefry_primitive(k0, k1, counter_low):
   x0, x1 = jax.extend.random.threefry2x32_p.bind(k0, k1, jnp.zeros_like(counter_low), counter_low)
+  return x0, x1
+
+
+def _threefry_rounds(k0, k1, counter_low):
+  schedule = (k0, k1, k0 ^ k1 ^ _KEY_PARITY)
+  x0 = jnp.zeros_like(counter_low) + schedule[0]
+  x1 = counter_low + schedule[1]
+  for group in range(1, 6):
+    for distance in _ROTATIONS[(group - 1) % 2]:
+      x0 = x0 + x1
+      x1 = _rotate_left(x1, distance) ^ x0
+    x0 = x0 + schedule[group % 3]
+    x1 = x1 + schedule[(group + 1) % 3] + np.uint32(group)
   return x0, x1

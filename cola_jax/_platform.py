@@ -25,6 +25,8 @@ The mechanisms, by name (the names :func:`plain` takes):
   which avoids a deadlock of jaxlib's CPU kernels (:func:`one_matrix_at_a_time`);
 * ``"grouped_draws"``: the noise of same-shape leaves drawn together
   (:mod:`cola_jax._step_noise`);
+* ``"threefry"``: Threefry-2x32 written out round by round, so that it fuses
+  (:mod:`cola_jax._noise`);
 * ``"sincos"``: sine and cosine in plain arithmetic, with an exact range
   reduction run only when an angle needs it (:func:`cola_jax._numerics.with_sincos`,
   ``MaxNorm``'s great-circle step).
@@ -49,6 +51,7 @@ MECHANISMS = (
   "computed_after",
   "one_matrix_at_a_time",
   "grouped_draws",
+  "threefry",
   "sincos",
 )
 _ONE_DEVICE = frozenset({"computed_together", "computed_after", "grouped_draws"})

@@ -6,9 +6,10 @@ own key, whatever the backend, the device count or the grouping below: one
 seed gives the same stream everywhere (up to JAX's own fallbacks, see
 :mod:`cola_jax._noise`). How the draws are compiled is all that differs.
 
-On XLA's CPU backend with one device (:mod:`cola_jax._platform`), a draw's hash is compiled
-once per leaf: a 12-block transformer, whose 48 kernels each draw their own
-noise, compiled about ten times longer with noise than without. There the leaves that share a
+On XLA's CPU backend with one device (:mod:`cola_jax._platform`), a draw's hash (some hundred operations)
+is compiled into every loop that consumes it, once per leaf: a 12-block
+transformer, whose 48 kernels each draw their own noise, compiled about ten
+times longer with noise than without. There the leaves that share a
 constraint, a shape and a dtype are drawn together:
 
 * the arrays of a group's draws that take at most ``_ONE_PASS_BYTES`` in all

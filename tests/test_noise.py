@@ -1,4 +1,5 @@
-"""The paired Box-Muller draws: JAX's Threefry words, two standard normal, independent numbers per hash."""
+"""The written-out Threefry normal draws the numbers of ``jax.random.normal``; the paired
+Box-Muller draws are standard normal and independent; one-pass helper."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ from scipy import stats
 
 from cola_jax import _noise
 
+SHAPES = [(), (1,), (7,), (3, 4), (2, 300, 70), (3, 3, 8, 16)]
 KEYS = {
   "key(0)": lambda: jax.random.key(0),
   "key(2**31 + 5)": lambda: jax.random.key(2**31 + 5),
@@ -18,23 +20,76 @@ KEYS = {
 
 
 @pytest.mark.parametrize("key_name", sorted(KEYS))
-@pytest.mark.parametrize("shape", [(), (7,), (3, 4), (2, 30, 7)], ids=str)
-def test_the_hash_of_each_entry_is_jaxs_threefry_of_its_index(key_name, shape):
-  # jax.random.bits xors the two words of the same hash of the same counters (partitionable mode).
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_bit_identical_to_jax_random_normal(key_name, shape):
   key = KEYS[key_name]()
-  words = jax.jit(lambda k: _noise._threefry_2x32(_noise._threefry_words(k), _noise._linear_index(shape, None)))(key)
-  np.testing.assert_array_equal(np.asarray(words[0] ^ words[1]), np.asarray(jax.random.bits(key, shape, jnp.uint32)))
+  ours = jax.jit(lambda k: _noise.normal(k, shape, jnp.float32))(key)
+  theirs = jax.random.normal(key, shape, jnp.float32)
+  assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+  np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+def test_bit_identical_under_vmap_over_keys():
+  keys = jax.random.split(jax.random.key(3), 5)
+  ours = jax.jit(jax.vmap(lambda k: _noise.normal(k, (40, 9), jnp.float32)))(keys)
+  theirs = jax.vmap(lambda k: jax.random.normal(k, (40, 9)))(keys)
+  np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+@pytest.mark.parametrize("key_name", sorted(KEYS))
+def test_fold_in_is_jax_random_fold_in_bit_for_bit(key_name):
+  key = KEYS[key_name]()
+  for data in (0, 1, 7, 2**31 + 3, 2**32 - 1):
+    ours = jax.jit(lambda k, data=data: _noise.fold_in(k, data))(key)
+    theirs = jax.random.fold_in(key, data)
+    assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+    if jnp.issubdtype(ours.dtype, jax.dtypes.prng_key):
+      ours, theirs = jax.random.key_data(ours), jax.random.key_data(theirs)
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_other_dtypes_are_jax_random_normal(dtype):
+  key = jax.random.key(1)
+  np.testing.assert_array_equal(
+    np.asarray(_noise.normal(key, (64,), dtype), np.float32),
+    np.asarray(jax.random.normal(key, (64,), dtype), np.float32),
+  )
+
+
+def test_other_generators_are_jax_random_normal():
+  key = jax.random.key(1, impl="rbg")
+  np.testing.assert_array_equal(
+    np.asarray(_noise.normal(key, (64,), jnp.float32)), np.asarray(jax.random.normal(key, (64,), jnp.float32))
+  )
+
+
+def test_the_original_threefry_mode_is_jax_random_normal():
+  key = jax.random.key(0)
+  with jax.threefry_partitionable(False):
+    ours = _noise.normal(key, (64,), jnp.float32)
+    theirs = jax.random.normal(key, (64,), jnp.float32)
+  np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+  assert not np.array_equal(np.asarray(ours), np.asarray(_noise.normal(key, (64,), jnp.float32)))
 
 
 def test_jaxs_threefry_kernel_lowering_leaves_the_numbers_as_they_are():
   """The flag lowers Threefry to JAX's kernel on GPU; the numbers of a seed stay those without it."""
   # The flag's context manager sets it for this thread only and restores it: no other test sees it.
   key = jax.random.key(3)
-  draws = lambda k: _noise.normal_pair(k, (16, 8), jnp.float32)
+  draws = lambda k: (_noise.normal(k, (16, 8), jnp.float32), *_noise.normal_pair(k, (16, 8), jnp.float32))
   with jax_config.threefry_gpu_kernel_lowering(True):
     flagged = jax.jit(draws)(key)
   for a, b in zip(flagged, jax.jit(lambda k: draws(k))(key)):  # a new function: traced without the flag
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_standard_normal_moments():
+  z = np.asarray(_noise.normal(jax.random.key(0), (200_000,), jnp.float32), np.float64)
+  n = z.size
+  assert abs(z.mean()) < 4 / np.sqrt(n)
+  assert abs(z.var() - 1) < 4 * np.sqrt(2 / n)
+  assert abs(np.mean(z**4) - 3) < 4 * np.sqrt(96 / n)
 
 
 # --------------------------------------------------------------------------------------
@@ -117,13 +172,6 @@ def test_normal_pair_with_another_generator_is_two_jax_random_normal_draws():
   key = jax.random.key(1, impl="rbg")
   for ours, theirs in zip(_noise.normal_pair(key, (5, 4), jnp.float32), _two_jax_draws(key, (5, 4), jnp.float32)):
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
-
-
-def test_normal_pair_in_the_original_threefry_mode_is_two_jax_random_normal_draws():
-  key = jax.random.key(1)
-  with jax.threefry_partitionable(False):
-    for ours, theirs in zip(_noise.normal_pair(key, (5, 4), jnp.float32), _two_jax_draws(key, (5, 4), jnp.float32)):
-      np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
 
 
 @pytest.mark.skipif(not hasattr(jax, "enable_x64"), reason="jax.enable_x64 needs jax >= 0.8")

@@ -23,7 +23,7 @@ import optax
 import pytest
 
 import cola_jax as cola
-from cola_jax import _platform, _step_noise
+from cola_jax import _noise, _platform, _step_noise
 
 _KEY = jax.random.key(0)
 _T = 1e-3
@@ -150,8 +150,8 @@ def implicit_zero_sum():
   ],
 )
 def test_a_seed_gives_the_same_numbers_however_the_draws_are_compiled(make, constraint, monkeypatch):
-  # One program per group, a pass per member, or leaf by leaf (as an accelerator's program draws them):
-  # the same numbers.
+  # One program per group, a pass per member, leaf by leaf, or as an accelerator's program draws them
+  # (leaf by leaf with jax's Threefry primitive instead of the written-out hash): the same numbers.
   params = {f"w{i}": jax.random.normal(jax.random.key(i), (16, 8)) for i in range(3)}
   params = cola.project_params(params, constraint)
   grouped = one_noisy_step(lambda: make(constraint), params)
@@ -159,7 +159,10 @@ def test_a_seed_gives_the_same_numbers_however_the_draws_are_compiled(make, cons
   per_member = one_noisy_step(lambda: make(constraint), params)
   with _platform.plain("grouped_draws"):
     leaf_by_leaf = one_noisy_step(lambda: make(constraint), params)
-  for other in (per_member, leaf_by_leaf):
+  # The mechanisms of the draws (the others change where XLA fuses, and so its rounding).
+  with _platform.plain("grouped_draws", "threefry"):
+    accelerators = one_noisy_step(lambda: make(constraint), params)
+  for other in (per_member, leaf_by_leaf, accelerators):
     for a, b in zip(jax.tree.leaves(grouped), jax.tree.leaves(other)):
       np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=1e-6, atol=1e-7)
 
@@ -196,3 +199,19 @@ def test_computed_after_leaves_every_value_bit_for_bit(dtype, first):
   assert np.asarray(y).tobytes() == np.asarray(x).tobytes()
   assert int(count) == 7
   np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(jax.random.key(5)))
+
+
+@pytest.mark.parametrize("shape", [(5,), (16, 8), (3, 4, 6)], ids=str)
+def test_the_hash_gives_the_same_numbers_written_out_and_as_jaxs_primitive(shape):
+  key = jax.random.key(7)
+  draws = lambda k: (
+    _noise.normal(k, shape, jnp.float32),
+    _noise.normal_paired(k, shape, jnp.float32),
+    *_noise.normal_pair(k, shape, jnp.float32),
+    jax.random.key_data(_noise.fold_in(k, 3)),
+  )
+  written = jax.jit(draws)(key)
+  with _platform.plain("threefry"):
+    primitive = jax.jit(lambda k: draws(k))(key)
+  for a, b in zip(written, primitive):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -129,7 +129,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cola_jax import _compiled
+from cola_jax import _compiled, _noise
 from cola_jax._hyperparameters import check_loop, check_positive, check_positive_integer
 from cola_jax._numerics import bounded_while_loop, max_abs
 from cola_jax._platform import one_matrix_at_a_time
@@ -598,7 +598,7 @@ class Implicit(Constraint):
     return jnp.concatenate([grad.ravel(), jnp.zeros(point.slack.size, grad.dtype)])
 
   def ambient_normal(self, key, point):
-    return jax.random.normal(key, (point.x.size + point.slack.size,), point.x.dtype)
+    return _noise.normal(key, (point.x.size + point.slack.size,), point.x.dtype)
 
   def project(self, anchor, step):
     geometry = self._geometry(anchor.x.shape)

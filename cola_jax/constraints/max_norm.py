@@ -336,9 +336,10 @@ class MaxNorm(Constraint):
 
   def ambient_normal(self, key, point):
     w, xi = point
+    # The slacks' key folded in written out: jax.random.split compiles, on CPU, to a loop of its own per leaf.
     return (
       _noise.normal_paired(key, w.shape, w.dtype, out_sharding=explicit_sharding(w)),
-      jax.random.normal(jax.random.fold_in(key, 1), xi.shape, xi.dtype, out_sharding=explicit_sharding(xi)),
+      _noise.normal(_noise.fold_in(key, 1), xi.shape, xi.dtype, out_sharding=explicit_sharding(xi)),
     )
 
   def project(self, anchor, step):
