@@ -226,17 +226,6 @@ def bounded_while_loop(
   return jax.lax.fori_loop(0, bound, masked, init)
 
 
-def sin_cos(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``(sin(x), cos(x))``: ``jnp.sin`` and ``jnp.cos``, but on XLA:CPU :func:`sincos_fast`.
-
-  :func:`sincos_fast` is a rotation for every finite ``x`` and exact below
-  ``2**13``.
-  """
-  if x.dtype != jnp.float32:
-    return jnp.sin(x), jnp.cos(x)
-  return _platform.on_cpu("sincos", sincos_fast, _jnp_sincos, x)
-
-
 def _jnp_sincos(x):
   return jnp.sin(x), jnp.cos(x)
 
@@ -284,34 +273,6 @@ def power_of_two_scale(m: jax.Array) -> jax.Array:
   exponent = jax.lax.bitcast_convert_type(m, int_dtype) >> mantissa
   scale = jax.lax.bitcast_convert_type(((top - jnp.clip(exponent, 1, top - 1)) << mantissa).astype(int_dtype), m.dtype)
   return jnp.where(exponent > top, jnp.asarray(np.nan, m.dtype), scale)
-
-
-def inverse_sqrt(z: jax.Array) -> jax.Array:
-  """``1 / sqrt(z)`` for ``z > 0``: ``lax.rsqrt``, but on XLA:CPU :func:`inverse_sqrt_in_products`."""
-  if z.dtype != jnp.float32:
-    return jax.lax.rsqrt(z)
-  return _platform.on_cpu("inverse_sqrt", inverse_sqrt_in_products, jax.lax.rsqrt, z)
-
-
-def inverse_sqrt_in_products(z: jax.Array) -> jax.Array:
-  """Returns ``1 / sqrt(z)`` for float32 ``z > 0`` to float32 accuracy, in plain arithmetic.
-
-  XLA's CPU backend treats ``sqrt``, ``rsqrt`` and floating-point division as
-  expensive: a value computed with them that feeds several outputs of an
-  elementwise update is written to its own array and read back by each,
-  which costs more than the arithmetic. This version uses only bit
-  operations, multiplications and additions, which XLA fuses into every
-  consumer: an initial guess from the exponent bits, one Newton step (relative
-  error <= 1.8e-3) and one second-order step ``y (1 - e/2 + 3 e^2/8)`` with
-  ``e = z y^2 - 1`` (error <= 4 e^3 / 16 < 1e-8, below float32 rounding).
-  Valid for normal float32 ``z``; ``z = 0`` gives a finite, meaningless
-  value (callers handle it).
-  """
-  bits = jax.lax.bitcast_convert_type(z, jnp.int32)
-  y = jax.lax.bitcast_convert_type(np.int32(0x5F375A86) - (bits >> 1), jnp.float32)
-  y = y * (np.float32(1.5) - np.float32(0.5) * z * y * y)
-  e = z * y * y - 1
-  return y - y * e * (np.float32(0.5) - np.float32(0.375) * e)
 
 
 def concrete_float(value: Any) -> float | None:

@@ -13,8 +13,7 @@ program. No other module reads the backend.
 A mechanism changes how a value is computed, never which value: both branches
 return the same shapes and dtypes, the same numbers where the mechanism is a
 schedule (the noise of one seed is the same stream on every backend), and the
-same function to rounding where it is arithmetic (``sin``, ``cos``,
-``1/sqrt``).
+same function to rounding where it is arithmetic (``sin`` and ``cos``).
 
 The mechanisms, by name (the names :func:`plain` takes):
 
@@ -29,8 +28,8 @@ The mechanisms, by name (the names :func:`plain` takes):
 * ``"threefry"``: Threefry-2x32 written out round by round, so that it fuses
   (:mod:`cola_jax._noise`);
 * ``"sincos"``: sine and cosine in plain arithmetic, with an exact range
-  reduction run only when an angle needs it (:mod:`cola_jax._numerics`);
-* ``"inverse_sqrt"``: ``1/sqrt`` in multiplications (:mod:`cola_jax._numerics`).
+  reduction run only when an angle needs it (:func:`cola_jax._numerics.with_sincos`,
+  ``MaxNorm``'s great-circle step).
 
 ``computed_together``, ``computed_after`` and ``grouped_draws`` also need a
 single device: with several an array may be sharded, and their reshapes and
@@ -54,7 +53,6 @@ MECHANISMS = (
   "grouped_draws",
   "threefry",
   "sincos",
-  "inverse_sqrt",
 )
 _ONE_DEVICE = frozenset({"computed_together", "computed_after", "grouped_draws"})
 _plain: set[str] = set()

@@ -24,7 +24,7 @@ import optax
 
 from cola_jax._default_leaves import weight_matrices
 from cola_jax._hyperparameters import check_nonnegative, check_positive
-from cola_jax._numerics import inverse_sqrt, max_abs, power_of_two_scale
+from cola_jax._numerics import max_abs, power_of_two_scale
 from cola_jax._tree import ConstraintSpec, is_function
 from cola_jax.constrained import riemannian
 from cola_jax.constraints.base import Constraint, Euclidean
@@ -73,7 +73,7 @@ def _unit_direction(c: UnitNorm, tangent: jax.Array) -> jax.Array:
   zero = largest < jnp.finfo(tangent.dtype).tiny
   scaled = jnp.where(zero, jnp.zeros_like(tangent), tangent * power_of_two_scale(largest))
   norm2 = jnp.sum(scaled * scaled, axis=axes, keepdims=True)
-  return scaled * (jnp.asarray(c.radius, tangent.dtype) * inverse_sqrt(jnp.where(zero, jnp.ones_like(norm2), norm2)))
+  return scaled * (jnp.asarray(c.radius, tangent.dtype) * jax.lax.rsqrt(jnp.where(zero, jnp.ones_like(norm2), norm2)))
 
 
 def hyperspherical_descent(

@@ -20,9 +20,11 @@ def renormalised(n: int, dtype=np.float32) -> float:
 
   The sum of the ``n`` squares is within ``n u`` of its value in any order of
   summation (Higham, *Accuracy and Stability of Numerical Algorithms*, 3.1),
-  its inverse square root within ``n u / 2`` and another ``2.2 u``
-  (``cola_jax``'s ``inverse_sqrt``: two roundings of its correction and one of
-  its result), and scaling by it and by the radius rounds each entry by ``2 u``.
+  its inverse square root within ``n u / 2`` and another ``3 u``
+  (``lax.rsqrt`` is not correctly rounded: XLA:CPU's is a vectorised
+  approximation, within 2.7 u over float32's exponent range, and CUDA's
+  ``rsqrtf`` within 2 ulp), and scaling by it and by the radius rounds each
+  entry by ``2 u``.
   """
   return (n / 2 + 5) * unit_roundoff(dtype)
 

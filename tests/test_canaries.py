@@ -81,19 +81,6 @@ def test_the_gated_exact_angle_makes_the_ball_step_faster():
   )
 
 
-def test_sine_and_cosine_in_plain_arithmetic_make_the_circle_step_faster():
-  """XLA:CPU evaluates ``jnp.sin`` and ``jnp.cos`` as two scalar-heavy expansions, once per consumer."""
-  step, args = _update_step(_noisy_ud, cola.Circle(0.5))
-  with_it, without = _step_times("sincos", step, args)
-  _canary.check_saves(
-    "sincos",
-    "update ms",
-    with_it * 1e3,
-    without * 1e3,
-    "CoLA-ud Circle, 8 kernels 512 x 512: 644 against 581 (36.0 against 53.1 in an earlier run)",
-  )
-
-
 def test_computing_the_circle_pair_together_makes_the_step_faster():
   """Without it, each of the new weight's, slack's and momentum's loops recomputes the normalised pair."""
   step, args = _update_step(_noisy_ud, cola.Circle(0.5))
@@ -104,21 +91,6 @@ def test_computing_the_circle_pair_together_makes_the_step_faster():
     with_it * 1e3,
     without * 1e3,
     "CoLA-ud Circle, 8 kernels 512 x 512: 539 against 1031",
-  )
-
-
-def test_the_inverse_square_root_in_products_makes_the_circle_step_faster():
-  """XLA:CPU writes ``sqrt`` and a division to an array of their own and reads it back in every consumer."""
-  step, args = _update_step(
-    lambda c: cola.cola_od(0.01, constraints=c, temperature=1e-4, key=jax.random.key(1)), cola.Circle(0.5)
-  )
-  with_it, without = _step_times("inverse_sqrt", step, args)
-  _canary.check_saves(
-    "inverse_sqrt",
-    "update ms",
-    with_it * 1e3,
-    without * 1e3,
-    "CoLA-od Circle, 8 kernels 512 x 512: 398 against 424",
   )
 
 

@@ -26,9 +26,9 @@ quadrant (the paper's ``arctan(xi / theta)`` form does not; see
 
 Extreme input: the radial projection scales each pair by an exact power of
 two before squaring, so a step of any finite size lands on the circle on the
-side it points to; the A step is a rotation for every finite angle, so the
-pair keeps its radius to rounding (its angle is exact below ``2**13`` rad, see
-:meth:`Circle.a_step`); ``h = 0`` moves nothing; an ``inf`` or NaN gives NaN.
+side it points to; the A step is a rotation by the exact angle (to rounding)
+for every finite angle, so the pair keeps its radius to rounding; ``h = 0``
+moves nothing; an ``inf`` or NaN gives NaN.
 
 References:
   Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of
@@ -46,10 +46,8 @@ from cola_jax import _noise
 from cola_jax._hyperparameters import check_positive
 from cola_jax._numerics import (
   explicit_sharding,
-  inverse_sqrt,
   max_abs,
   power_of_two_scale,
-  sin_cos,
 )
 from cola_jax._platform import computed_together
 from cola_jax.constraints.base import Constraint
@@ -148,10 +146,7 @@ class Circle(Constraint):
     the smallest normal number (zero or subnormal: compiled code flushes
     subnormals to zero, XLA's constant folder does not), or, with a given
     ``scale``, where its scaled squared norm is; a pair with an ``inf`` or
-    NaN gives NaN. Computed with multiplications only
-    (:func:`~cola_jax._numerics.inverse_sqrt`) rather than ``sqrt`` and a
-    division, which XLA's CPU backend writes to an array of their own and
-    reads back in every consumer.
+    NaN gives NaN.
     """
     r = jnp.asarray(self.radius, theta.dtype)
     tiny = jnp.finfo(theta.dtype).tiny
@@ -170,7 +165,7 @@ class Circle(Constraint):
       xi = jnp.where(degenerate, jnp.ones_like(xi), xi)
       theta = jnp.where(degenerate, jnp.zeros_like(theta), theta)
       z = jnp.where(degenerate, jnp.ones_like(z), z)
-    norm = r * inverse_sqrt(z)
+    norm = r * jax.lax.rsqrt(z)
     return theta * norm, xi * norm
 
   def unpack(self, point, param):
@@ -223,12 +218,8 @@ class Circle(Constraint):
     """The rotation of ``(theta, xi)`` by the angle ``h v / r``, a rotation for every finite angle.
 
     The pair stays on the circle to rounding however large the momentum, and
-    ``h = 0`` moves nothing. In float32 the angle is exact to 1.2e-7 below
-    ``2**13`` rad; above, where the float32 angle is itself uncertain by more
-    than its spacing (1e-3 rad), the turn is on XLA:CPU by an inexactly
-    reduced angle (:func:`~cola_jax._numerics.sin_cos`): an exact reduction
-    there (:func:`~cola_jax._numerics.with_sincos`) cost more than the rest of
-    the fused update (measured: c-CoLA-ud update 2.9x -> 5.1x SGD-m's).
+    ``h = 0`` moves nothing. The sine and cosine are ``jnp.sin`` and
+    ``jnp.cos``, whose range reduction is exact for every finite angle.
     """
     angle = momentum * (h * (1 / jnp.asarray(self.radius, momentum.dtype)))
     # One loop for both coordinates: the sine and cosine are computed once.
@@ -236,5 +227,5 @@ class Circle(Constraint):
 
 
 def _rotate(angle, theta, xi):
-  sin, cos = sin_cos(angle)
+  sin, cos = jnp.sin(angle), jnp.cos(angle)
   return cos * theta + sin * xi, cos * xi - sin * theta

@@ -79,7 +79,6 @@ from cola_jax import _noise
 from cola_jax._hyperparameters import check_positive
 from cola_jax._numerics import (
   explicit_sharding,
-  inverse_sqrt,
   max_abs,
   power_of_two_scale,
   with_sincos,
@@ -271,7 +270,7 @@ class MaxNorm(Constraint):
     s = power_of_two_scale(self._unit_max(w))
     ws = w * s
     norm2 = self._dot(ws, ws)  # |w_j|^2 s^2, in [1, 16 n) unless w_j is (flushed to) 0
-    inverse_norm = inverse_sqrt(jnp.where(norm2 > 0, norm2, jnp.ones_like(norm2)))
+    inverse_norm = jax.lax.rsqrt(jnp.where(norm2 > 0, norm2, jnp.ones_like(norm2)))
     # r s may underflow (then w_j is far outside); NaN (inf or NaN in w_j) too.
     outside = ~((r * s) * inverse_norm >= 1)
     return jnp.where(outside, ws * (r * inverse_norm), w)
@@ -313,7 +312,7 @@ class MaxNorm(Constraint):
       xi = jnp.where(degenerate, jnp.ones_like(xi), xi)
       w = jnp.where(degenerate, jnp.zeros_like(w), w)
       z = jnp.where(degenerate, jnp.ones_like(z), z)
-    norm = r * inverse_sqrt(z)
+    norm = r * jax.lax.rsqrt(z)
     return w * norm, xi * norm
 
   def unpack(self, point, param):
@@ -323,7 +322,7 @@ class MaxNorm(Constraint):
     limit = r * r * (1 - _MARGIN * jnp.finfo(w.dtype).eps)
     norm2 = self._dot(w, w)
     above = norm2 > limit
-    scale = jnp.sqrt(limit) * inverse_sqrt(jnp.where(above, norm2, jnp.ones_like(norm2)))
+    scale = jnp.sqrt(limit) * jax.lax.rsqrt(jnp.where(above, norm2, jnp.ones_like(norm2)))
     w = jnp.where(above, w * scale, w)
     return w, MaxNormState(slack=xi, radius=r)
 

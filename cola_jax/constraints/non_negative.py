@@ -94,7 +94,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cola_jax import _noise
-from cola_jax._numerics import explicit_sharding, inverse_sqrt, max_abs
+from cola_jax._numerics import explicit_sharding, max_abs
 from cola_jax._platform import computed_together
 from cola_jax.constraints.base import Constraint
 
@@ -129,7 +129,7 @@ def _inverse_length(s):
   u = 2 * jnp.abs(s)
   big = u > 1
   x = jnp.where(big, 1 / jnp.where(big, u, 1), u)  # min(u, 1 / u)
-  root = inverse_sqrt(1 + x * x)
+  root = jax.lax.rsqrt(1 + x * x)
   return jnp.where(big, x * root, root)
 
 

@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 
 from cola_jax import _noise
-from cola_jax._numerics import concrete_float, explicit_sharding, inverse_sqrt, max_abs, power_of_two_scale
+from cola_jax._numerics import concrete_float, explicit_sharding, max_abs, power_of_two_scale
 from cola_jax.constraints import _axes
 from cola_jax.constraints.base import Constraint
 from cola_jax.constraints.max_norm import Axis, MaxNorm, _check_axis, _normalize_axis
@@ -185,7 +185,7 @@ class UnitNorm(Constraint):
     zero = largest < jnp.finfo(w.dtype).tiny
     # Selected before squaring: for a constant a, XLA reassociates (a s) (a s) into (a a) (s s), and s s overflows.
     ws = jnp.where(zero, jnp.ones_like(w), w * power_of_two_scale(largest))
-    return ws * (jnp.asarray(self.radius, w.dtype) * inverse_sqrt(self._dot(ws, ws)))
+    return ws * (jnp.asarray(self.radius, w.dtype) * jax.lax.rsqrt(self._dot(ws, ws)))
 
   # The Constraint interface.
 
