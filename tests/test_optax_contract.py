@@ -523,7 +523,8 @@ def _two_steps(tx):
   return jax.jit(lambda state, params: jax.lax.fori_loop(0, 2, step, (params, state)))
 
 
-@pytest.mark.parametrize("factory", INJECTED)
+# The presets are cola_od and cola_ud with fixed constraints: the quick suite injects into those two.
+@pytest.mark.parametrize("factory", quick_or_slow([(name,) for name in INJECTED], {("cola_od",), ("cola_ud",)}))
 def test_inject_hyperparams_injects_every_numeric_hyperparameter(factory):
   """test_optimizers_can_be_wrapped_in_inject_hyperparams, and tree_utils' test_tree_get/test_tree_set.
 
