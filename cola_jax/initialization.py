@@ -38,7 +38,9 @@ def project_params(params: Any, constraints: ConstraintSpec) -> Any:
   Example:
     >>> import jax.numpy as jnp, cola_jax as cola
     >>> params = {'w': jnp.array([[2.0, 0.0], [0.0, 0.5]]), 'b': jnp.array([3.0, -0.5]), 'free': jnp.ones(2)}
-    >>> cola.project_params(params, {'w': cola.Orthogonal(), 'b': cola.Circle(1.0), 'free': None})
+    >>> projected = cola.project_params(params, {'w': cola.Orthogonal(), 'b': cola.Circle(1.0), 'free': None})
+    >>> with jnp.printoptions(precision=4):  # 3.0 beyond the circle's radius 1: 0.99, just inside
+    ...   print(projected)
     {'b': Array([ 0.99, -0.5 ], dtype=float32), 'free': Array([1., 1.], dtype=float32),
      'w': Array([[1., 0.], [0., 1.]], dtype=float32)}
   """
