@@ -123,12 +123,10 @@ def train(method: Method, lr: float, data: datasets.Dataset, seeds, epochs: int)
   }
 
 
-def timed_steps(method: Method, lr: float, data: datasets.Dataset, epochs: int) -> Callable:
-  """A function of a batch's indices that takes one jitted training step of seed 0 (gradient, update,
-  apply) from where the last left off, and returns its seconds."""
+def _seed_zero_step(method: Method, lr: float, data: datasets.Dataset, epochs: int):
+  """Seed 0's jitted training step ``(params, state, batch indices) -> (params, state)`` and its start."""
   tx = method.make(lr, schedule_for(lr, data, epochs))
   params = on_manifold(init_params(seed_keys(0)[0]), method.manifold)
-  carry = [params, tx.init(params)]
   x_train, y_train = jnp.asarray(data.x_train), jnp.asarray(data.y_train)
 
   @jax.jit
@@ -136,6 +134,15 @@ def timed_steps(method: Method, lr: float, data: datasets.Dataset, epochs: int) 
     loss = lambda p: jnp.mean(SOFTMAX.loss(apply(p, x_train[idx]), y_train[idx]))
     updates, state = tx.update(jax.grad(loss)(params), state, params)
     return optax.apply_updates(params, updates), state
+
+  return step, params, tx.init(params)
+
+
+def timed_steps(method: Method, lr: float, data: datasets.Dataset, epochs: int) -> Callable:
+  """A function of a batch's indices that takes one jitted training step of seed 0 (gradient, update,
+  apply) from where the last left off, and returns its seconds."""
+  step, params, state = _seed_zero_step(method, lr, data, epochs)
+  carry = [params, state]
 
   def timed(idx) -> float:
     t0 = time.perf_counter()
@@ -149,16 +156,7 @@ def step_trace(method: Method, lr: float, data: datasets.Dataset, epochs: int, m
   """Seed 0's first epoch (at most ``max_steps`` steps), one jitted step (gradient, update, apply) per call:
   the median ms of the steps after the first (which compiles) and, where the state has ``direction_info``
   (manifold Muon), its iterations and convergence per kernel and step."""
-  tx = method.make(lr, schedule_for(lr, data, epochs))
-  params = on_manifold(init_params(seed_keys(0)[0]), method.manifold)
-  state = tx.init(params)
-  x_train, y_train = jnp.asarray(data.x_train), jnp.asarray(data.y_train)
-
-  @jax.jit
-  def step(params, state, idx):
-    loss = lambda p: jnp.mean(SOFTMAX.loss(apply(p, x_train[idx]), y_train[idx]))
-    updates, state = tx.update(jax.grad(loss)(params), state, params)
-    return optax.apply_updates(params, updates), state
+  step, params, state = _seed_zero_step(method, lr, data, epochs)
 
   order = batch_orders(0, len(data.x_train), epochs)[0]
   times, iterations, converged = [], [], []
