@@ -87,6 +87,12 @@ def start_slack(r: jax.Array, squared: jax.Array) -> jax.Array:
   START_INSIDE``: the pair ``(w, xi)`` then lands, radially, at most at
   ``START_INSIDE r`` (exactly there from the bound or beyond it), and a weight
   already there keeps its slack.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from cola_jax.constraints import start_slack
+    >>> float(start_slack(jnp.float32(1.0), jnp.float32(0.36)))  # w = 0.6 inside: the slack of the circle
+    0.800000011920929
   """
   return jnp.sqrt(jnp.maximum(r * r - squared, _START_TAN**2 * squared))
 

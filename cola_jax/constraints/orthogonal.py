@@ -101,6 +101,13 @@ def tall_view(w: jax.Array, row_axes=None, column_axes=None) -> jax.Array:
 
   ``row_axes`` and ``column_axes`` as for :class:`Orthogonal`; with batch axes
   the result is the stack ``(b, r, s)`` of the leaf's ``b`` matrices.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from cola_jax.constraints import tall_view, from_tall_view
+    >>> w = jnp.arange(6.0).reshape(2, 3)  # a wide kernel: viewed as its (3, 2) transpose
+    >>> tall_view(w).shape, bool((from_tall_view(tall_view(w), w) == w).all())
+    ((3, 2), True)
   """
   if row_axes is None:
     matrix = w.reshape(-1, w.shape[-1])
@@ -252,6 +259,14 @@ class StiefelPoint(NamedTuple):
   what :meth:`~Orthogonal.unpack` turns back into the leaf; a constraint
   built on :class:`Orthogonal` (:class:`~cola_jax.MaxSpectralNorm`) reads its
   ``matrix``.
+
+  Example:
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> w = jnp.eye(3)[:, :2]
+    >>> orthogonal = cola.Orthogonal()
+    >>> point = orthogonal.point(w, orthogonal.init(w))
+    >>> type(point).__name__, point.matrix.shape
+    ('StiefelPoint', (3, 2))
   """
 
   matrix: jax.Array  # Q, (r, s) with r >= s; (b, r, s) for a leaf of b matrices
