@@ -3,13 +3,13 @@ r"""Cost of the Stiefel retractions, alone and in the LSTM seq2seq step of Flax'
 Part 1, the retractions. ``M = Q + xi`` with ``Q`` orthonormal and ``xi`` tangent at ``Q``, ``|xi|_2 =
 --step-norm`` (0.05: Adam's first steps of 1e-3 per entry on a 512 x 512 kernel have about
 ``2e-3 sqrt(512) = 0.045``), for each shape of ``--shapes`` and input dtype (float32, bfloat16). Methods,
-the public functions of ``cola_jax.constraints.stiefel_retraction``:
+the public functions of ``cola_jax.constraints.stiefel_retraction``, and the matrix sign of Muon:
 
 * ``polar``: ``polar_of_tangent_step``, the ``s x s`` eigendecomposition of ``M^T M`` (the baseline);
 * ``newton_schulz``: ``newton_schulz_polar``, degree-5 Newton-Schulz to ``max(1e-6, 2 sqrt(r) eps)``;
 * ``qr``: ``qr_retraction``, Householder QR with the sign fix, then the check ``Q^T Q``;
-* ``matrix_sign``: ``matrix_sign`` (8 Polar Express steps), for reference: it does not use ``sigma >= 1``
-  and computes in the input's dtype; only up to 512 x 512 entries (seconds per call beyond).
+* ``matrix_sign``: ``benchmarks.cost.polar_express.matrix_sign`` (8 Polar Express steps), for reference: it
+  does not use ``sigma >= 1`` and computes in the input's dtype; only up to 512 x 512 entries (seconds per call beyond).
 
 Each is compiled once (``compile_s``, XLA's ``memory_analysis()`` temp bytes) and timed after warm-up,
 the methods of a shape and dtype interleaved (one call of each per round, the order rotated): the median
@@ -47,7 +47,7 @@ import numpy as np
 import optax
 
 import cola_jax as cola
-from benchmarks.cost import seq2seq
+from benchmarks.cost import polar_express, seq2seq
 from benchmarks.harness import records, timing
 from cola_jax.constraints import stiefel_retraction as sr
 
@@ -55,7 +55,7 @@ METHODS = {
   "polar": sr.polar_of_tangent_step,
   "newton_schulz": lambda m: sr.newton_schulz_polar(m),
   "qr": lambda m: sr.qr_retraction(m),
-  "matrix_sign": sr.matrix_sign,
+  "matrix_sign": polar_express.matrix_sign,
 }
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 RETRACTIONS = ("newton_schulz", "qr", "polar")
