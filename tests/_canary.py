@@ -5,8 +5,15 @@ program compiled with the mechanism and without it (``_platform.plain``), in one
 time, step time or XLA's temporary bytes. On the jax its number was measured on it asserts that the mechanism
 still buys at least 10 % (the rule by which a mechanism stays); on another jax it reports the measurement as a
 skip, with the number measured before, so that an upgrade prompts a re-measurement instead of a red build.
+
+They measure the compiler users run: XLA's default backend optimisation level (3), not the level 0 that
+``conftest.py`` sets for the other tiers (without LLVM's optimisations a written-out hash compiles as fast as
+JAX's loop, and a step's time is not the time users see). Run them with
+``XLA_FLAGS=--xla_backend_optimization_level=3``.
 """
 
+import os
+import re
 import time
 
 import jax
@@ -14,6 +21,20 @@ import pytest
 
 MEASURED_ON = "0.10.2"  # the jax whose numbers docs/development.md records
 AT_LEAST = 0.10  # the least a mechanism must save of the cost it was made for
+
+
+USERS_LEVEL = 3  # XLA's default --xla_backend_optimization_level
+
+
+def require_users_compiler() -> None:
+  """Fail, naming the flag, unless XLA:CPU runs at its default optimisation level."""
+  levels = re.findall(r"--xla_backend_optimization_level=(\d+)", os.environ.get("XLA_FLAGS", ""))
+  level = int(levels[-1]) if levels else USERS_LEVEL
+  if level != USERS_LEVEL:
+    pytest.fail(
+      f"the canaries measure the compiler users run, XLA's optimisation level {USERS_LEVEL}, not {level}: run them "
+      f"with XLA_FLAGS=--xla_backend_optimization_level={USERS_LEVEL}"
+    )
 
 
 def check_saves(mechanism: str, cost: str, with_it: float, without: float, recorded: str) -> None:
