@@ -65,11 +65,6 @@ MOMENTUM = 0.9  # o-CoLA-ud's SGD-momentum equivalent
 ORTHOGONAL = cola.Orthogonal()
 
 
-def _cola(name: str):
-  """A cola_jax function that other work is adding (looked up when a method is made, so that its absence skips it)."""
-  return getattr(cola, name)
-
-
 def _o_cola_ud(lr, schedule):
   _, gamma = cola.sgd_momentum_to_langevin(lr, MOMENTUM)
   # The step size h_t = sqrt(SGD's learning rate), which decays linearly; the friction is fixed.
@@ -80,16 +75,14 @@ METHODS = {
   "manifold_muon": Method(
     "cola.manifold_muon (momentum 0.95, Nesterov)",
     (0.05, 0.1, 0.2),
-    lambda lr, s: _cola("manifold_muon")(s, constraints=ORTHOGONAL),
+    lambda lr, s: cola.manifold_muon(s, constraints=ORTHOGONAL),
     STIEFEL,
-    "manifold_muon",
   ),
   "manifold_muon_m0": Method(
     "cola.manifold_muon (momentum 0: the reference's rule)",
     (0.05, 0.1, 0.2),
-    lambda lr, s: _cola("manifold_muon")(s, momentum=0.0, nesterov=False, constraints=ORTHOGONAL),
+    lambda lr, s: cola.manifold_muon(s, momentum=0.0, nesterov=False, constraints=ORTHOGONAL),
     STIEFEL,
-    "manifold_muon",
   ),
   "muon_on_manifold": Method(
     "cola.constrained(optax.contrib.muon), Orthogonal",
@@ -107,9 +100,8 @@ METHODS = {
   "hyperspherical_descent": Method(
     "cola.hyperspherical_descent (whole-matrix sphere)",
     (0.05, 0.1, 0.2),
-    lambda lr, s: _cola("hyperspherical_descent")(s),
+    lambda lr, s: cola.hyperspherical_descent(s),
     SPHERE,
-    "hyperspherical_descent",
   ),
   "adamw": Method(
     "optax.adamw (weight decay 0)", (1e-3, 3e-3, 1e-2), lambda lr, s: optax.adamw(s, weight_decay=0.0), None
@@ -126,11 +118,6 @@ REFERENCE = {  # name: (the reference's rule, its default learning rate, label)
   "reference_adamw": ("adamw", 1e-3, "reference AdamW (torch, weight decay 0)"),
 }
 LABELS = {**{k: v[2] for k, v in REFERENCE.items()}, **{k: m.label for k, m in METHODS.items()}}
-
-
-def available(name: str) -> bool:
-  needs = METHODS[name].needs
-  return needs is None or hasattr(cola, needs)
 
 
 def run_cola(args, path: str, names: list[str], validation, final) -> None:
@@ -316,12 +303,12 @@ def main(argv=None) -> dict:
   unknown = [n for n in names if n not in LABELS]
   if unknown:
     p.error(f"unknown methods {unknown}; choose from {', '.join(LABELS)}")
-  skipped = {n: f"cola_jax has no {METHODS[n].needs}" for n in names if n in METHODS and not available(n)}
-  cola_names = [n for n in names if n in METHODS and n not in skipped]
+  cola_names = [n for n in names if n in METHODS]
   ref_names = [n for n in names if n in REFERENCE]
+  skipped = {}
   if ref_names and (args.reference is None or not reference.torch_available()):
     why = "no --reference DIR given" if args.reference is None else "torch is not installed"
-    skipped.update(dict.fromkeys(ref_names, why))
+    skipped = dict.fromkeys(ref_names, why)
     ref_names = []
   if args.smoke and not cola_names:
     cola_names = ["muon_on_manifold"]

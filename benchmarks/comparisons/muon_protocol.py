@@ -28,7 +28,6 @@ class Method(NamedTuple):
   grid: tuple[float, ...]
   make: Callable[[float, optax.Schedule], optax.GradientTransformation]
   manifold: str | None
-  needs: str | None = None  # the cola_jax name it needs (skipped while cola lacks it)
 
 
 def load_data(data_dir: str | None, smoke: bool) -> tuple[datasets.Dataset, datasets.Dataset]:
