@@ -226,6 +226,17 @@ def bounded_while_loop(
   return jax.lax.fori_loop(0, bound, masked, init)
 
 
+def sin_cos(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(sin(x), cos(x))``: ``jnp.sin`` and ``jnp.cos``, but on XLA:CPU :func:`sincos_fast`.
+
+  :func:`sincos_fast` is a rotation for every finite ``x`` and exact below
+  ``2**13``.
+  """
+  if x.dtype != jnp.float32:
+    return jnp.sin(x), jnp.cos(x)
+  return _platform.on_cpu("sincos", sincos_fast, _jnp_sincos, x)
+
+
 def _jnp_sincos(x):
   return jnp.sin(x), jnp.cos(x)
 

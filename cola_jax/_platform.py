@@ -27,9 +27,10 @@ The mechanisms, by name (the names :func:`plain` takes):
   (:mod:`cola_jax._step_noise`);
 * ``"threefry"``: Threefry-2x32 written out round by round, so that it fuses
   (:mod:`cola_jax._noise`);
-* ``"sincos"``: sine and cosine in plain arithmetic, with an exact range
-  reduction run only when an angle needs it (:func:`cola_jax._numerics.with_sincos`,
-  ``MaxNorm``'s great-circle step).
+* ``"sincos"``: sine and cosine in plain arithmetic (:func:`cola_jax._numerics.sin_cos`,
+  the ``Circle``'s A step), with an exact range reduction run only when an
+  angle needs it (:func:`cola_jax._numerics.with_sincos`, ``MaxNorm``'s
+  great-circle step).
 
 ``computed_together``, ``computed_after`` and ``grouped_draws`` also need a
 single device: with several an array may be sharded, and their reshapes and

@@ -73,6 +73,19 @@ def test_the_gated_exact_angle_makes_the_ball_step_faster():
   )
 
 
+def test_sine_and_cosine_in_plain_arithmetic_make_the_circle_step_faster():
+  """XLA:CPU evaluates ``jnp.sin`` and ``jnp.cos`` as two scalar-heavy expansions, once per consumer."""
+  step, args = _update_step(_noisy_ud, cola.Circle(0.5))
+  with_it, without = _step_times("sincos", step, args)
+  _canary.check_saves(
+    "sincos",
+    "update ms",
+    with_it * 1e3,
+    without * 1e3,
+    "CoLA-ud Circle, 8 kernels 512 x 512: 5.85 against 7.84 (25 to 41 % saved in six runs, AVX-512 and AVX2)",
+  )
+
+
 def test_computing_the_circle_pair_together_makes_the_step_faster():
   """Without it, each of the new weight's, slack's and momentum's loops recomputes the normalised pair."""
   step, args = _update_step(_noisy_ud, cola.Circle(0.5))

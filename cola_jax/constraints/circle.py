@@ -26,9 +26,9 @@ quadrant (the paper's ``arctan(xi / theta)`` form does not; see
 
 Extreme input: the radial projection scales each pair by an exact power of
 two before squaring, so a step of any finite size lands on the circle on the
-side it points to; the A step is a rotation by the exact angle (to rounding)
-for every finite angle, so the pair keeps its radius to rounding; ``h = 0``
-moves nothing; an ``inf`` or NaN gives NaN.
+side it points to; the A step is a rotation for every finite angle, so the
+pair keeps its radius to rounding (its angle is exact below ``2**13`` rad, see
+:meth:`Circle.a_step`); ``h = 0`` moves nothing; an ``inf`` or NaN gives NaN.
 
 References:
   Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of
@@ -48,6 +48,7 @@ from cola_jax._numerics import (
   explicit_sharding,
   max_abs,
   power_of_two_scale,
+  sin_cos,
 )
 from cola_jax._platform import computed_together
 from cola_jax.constraints.base import Constraint
@@ -224,8 +225,12 @@ class Circle(Constraint):
     """The rotation of ``(theta, xi)`` by the angle ``h v / r``, a rotation for every finite angle.
 
     The pair stays on the circle to rounding however large the momentum, and
-    ``h = 0`` moves nothing. The sine and cosine are ``jnp.sin`` and
-    ``jnp.cos``, whose range reduction is exact for every finite angle.
+    ``h = 0`` moves nothing. In float32 the angle is exact to 1.2e-7 below
+    ``2**13`` rad; above, where the float32 angle is itself uncertain by more
+    than its spacing (1e-3 rad), the turn is on XLA:CPU by an inexactly
+    reduced angle (:func:`~cola_jax._numerics.sin_cos`): an exact reduction
+    there (:func:`~cola_jax._numerics.with_sincos`) cost more than the rest of
+    the fused update.
     """
     angle = momentum * (h * (1 / jnp.asarray(self.radius, momentum.dtype)))
     # One loop for both coordinates: the sine and cosine are computed once.
@@ -233,5 +238,5 @@ class Circle(Constraint):
 
 
 def _rotate(angle, theta, xi):
-  sin, cos = jnp.sin(angle), jnp.cos(angle)
+  sin, cos = sin_cos(angle)
   return cos * theta + sin * xi, cos * xi - sin * theta
