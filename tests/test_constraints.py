@@ -8,17 +8,7 @@ import pytest
 
 import cola_jax as cola
 from cola_jax import langevin
-from cola_jax._numerics import sincos
 from cola_jax.constraints.orthogonal import from_tall_view, gram_defect, tall_view
-
-
-def test_sincos_matches_float64_to_float32_accuracy():
-  x = jnp.linspace(-100.0, 100.0, 400_001, dtype=jnp.float32)
-  sin, cos = sincos(x)
-  x64 = np.asarray(x, np.float64)
-  assert np.max(np.abs(np.asarray(sin, np.float64) - np.sin(x64))) <= 1.2e-7
-  assert np.max(np.abs(np.asarray(cos, np.float64) - np.cos(x64))) <= 1.2e-7
-
 
 # Circle.
 

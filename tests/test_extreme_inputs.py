@@ -20,7 +20,7 @@ import optax
 import pytest
 
 import cola_jax as cola
-from cola_jax import _numerics, langevin
+from cola_jax import langevin
 
 F32_MAX = float(np.finfo(np.float32).max)
 
@@ -73,72 +73,6 @@ def _run(tx, param, grad, steps=2):
 def _converged(state):
   aux = state.constraint_states["w"]
   return bool(aux.converged) if hasattr(aux, "converged") else True
-
-
-# --------------------------------------------------------------------------------------
-# Sine and cosine of any float32 angle
-
-
-def _all_exponents(n, seed=0):
-  """Float32 angles with random bits, every exponent from subnormal to 3.4e38, both signs."""
-  bits = np.random.default_rng(seed).integers(0, 0x7F800000, size=n, dtype=np.int64)
-  x = bits.astype(np.uint32).view(np.float32)
-  return np.concatenate([x, -x])
-
-
-@pytest.mark.parametrize("fn", ["sincos", "with_sincos"])
-def test_sincos_is_exact_for_every_finite_float32_angle(fn):
-  special = np.float32([1e-30, 1e-7, 1.0, 8191.999, 8192.0, 1e7, 1e8, 1e20, 1e30, 3.4e38, F32_MAX])
-  x = np.concatenate([_all_exponents(100_000), special, -special])
-  if fn == "sincos":
-    sin, cos = jax.jit(_numerics.sincos)(x)
-  else:
-    sin, cos = jax.jit(lambda x: _numerics.with_sincos(lambda sincos, x: sincos(x), x))(x)
-  sin, cos = np.asarray(sin, np.float64), np.asarray(cos, np.float64)
-  x64 = x.astype(np.float64)  # numpy's float64 sin and cos reduce exactly
-  assert np.max(np.abs(sin - np.sin(x64))) <= 1.2e-7
-  assert np.max(np.abs(cos - np.cos(x64))) <= 1.2e-7
-  assert np.max(np.abs(sin * sin + cos * cos - 1)) <= 2.5e-7
-  normal = (np.abs(x) >= np.finfo(np.float32).tiny) & (np.abs(x) < 1e-3)  # relative accuracy
-  np.testing.assert_allclose(sin[normal], np.sin(x64[normal]), rtol=1.2e-7)
-
-
-def test_sincos_fast_is_a_rotation_for_every_finite_float32_angle():
-  x = np.concatenate([_all_exponents(100_000), np.float32([8192.0, 1e20, 3.4e38, F32_MAX])])
-  sin, cos = (np.asarray(v, np.float64) for v in jax.jit(_numerics.sincos_fast)(x))
-  assert np.max(np.abs(sin * sin + cos * cos - 1)) <= 2.5e-7
-  sin, cos = jax.jit(_numerics.sincos_fast)(np.float32([np.inf, -np.inf, np.nan]))
-  assert np.all(np.isnan(sin)) and np.all(np.isnan(cos))
-
-
-def test_sincos_of_inf_and_nan_is_nan():
-  sin, cos = jax.jit(_numerics.sincos)(np.float32([np.inf, -np.inf, np.nan]))
-  assert np.all(np.isnan(sin)) and np.all(np.isnan(cos))
-
-
-def test_with_sincos_takes_the_fast_path_only_where_it_is_exact():
-  small = np.float32([0.5, -3.0, 8191.0])
-  fast = jax.jit(lambda x: _numerics.with_sincos(lambda sincos, x: sincos(x), x))(small)
-  np.testing.assert_array_equal(fast, _numerics.sincos_fast(jnp.asarray(small)))
-  large = np.float32([0.5, 1e20])
-  exact = jax.jit(lambda x: _numerics.with_sincos(lambda sincos, x: sincos(x), x))(large)
-  np.testing.assert_allclose(exact[0], np.sin(large.astype(np.float64)), atol=1.2e-7)
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_power_of_two_scale_is_exact_and_brings_every_size_to_order_one(dtype):
-  with jax.enable_x64(dtype == np.float64):
-    info = np.finfo(dtype)
-    rng = np.random.default_rng(0)
-    m = np.ldexp(rng.uniform(1, 2, 2000), rng.integers(info.minexp, info.maxexp, 2000))
-    m = np.concatenate([m, [info.tiny, info.max, 1.0]]).astype(dtype)
-    scale = np.asarray(_numerics.power_of_two_scale(jnp.asarray(m)))
-    assert scale.dtype == dtype
-    mantissa, _ = np.frexp(scale)
-    np.testing.assert_array_equal(mantissa, 0.5)  # a power of two: the product is exact
-    assert np.all((m * scale >= 1) & (m * scale < 4))
-    special = np.asarray(_numerics.power_of_two_scale(jnp.asarray([0.0, np.inf, np.nan], dtype)))
-    assert np.isfinite(special[0]) and np.all(np.isnan(special[1:]))
 
 
 # --------------------------------------------------------------------------------------

@@ -209,22 +209,6 @@ def test_projection_agrees_with_orthogonal():
     assert np.max(np.abs(gram)) <= 1.5e-6
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 8])
-def test_small_systems_are_solved_with_pivoting(m):
-  """The elimination used for up to 8 components per unit agrees with LAPACK, batch and pivots included."""
-  from cola_jax.constraints.implicit import _solve
-
-  a = np.asarray(jax.random.normal(jax.random.key(m), (5, 3, m, m)), np.float64)
-  if m > 1:
-    a[0, 0, 0, 0] = 0.0  # no solution without a row swap
-    a[1, 2] = np.triu(a[1, 2])[::-1]  # every step needs a row swap
-  b = np.asarray(jax.random.normal(jax.random.key(100 + m), (5, 3, m)), np.float64)
-  expected = np.linalg.solve(a, b[..., None])[..., 0]
-  got = jax.jit(lambda a, b: _solve(a, b, symmetric=False))(a.astype(np.float32), b.astype(np.float32))
-  scale = np.linalg.cond(a)[..., None] * np.abs(expected).max(axis=-1, keepdims=True)
-  assert np.all(np.abs(np.asarray(got) - expected) <= 2e-6 * m * scale)
-
-
 def test_circle_projection_solves_shake_exactly():
   """The circle's SHAKE equation ``|q_bar + mu q_n| = r`` in closed form, float64."""
   r = 0.5

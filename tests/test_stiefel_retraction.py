@@ -22,7 +22,7 @@ def _tolerance(rows):
 
 
 def _residual(q):
-  return float(sr.max_abs(sr.gram_defect(q)))
+  return float(np.abs(np.asarray(sr.gram_defect(q))).max())
 
 
 def _tangent_step(seed, rows, columns, size):
