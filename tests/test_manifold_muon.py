@@ -263,6 +263,7 @@ def test_a_step_vmapped_over_seeds_is_each_seed_s_step():
     assert int(seed[1].direction_info["w1"].iterations) == int(alone[1].direction_info["w1"].iterations) > 0
 
 
+@pytest.mark.slow  # the guard itself: tests/test_lapack_under_vmap.py, in the quick suite
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="jaxlib's LAPACK kernels are the CPU backend's")
 def test_a_vmapped_step_calls_lapack_one_matrix_at_a_time():
   """A batched LAPACK call (eigh, svd, qr) deadlocked XLA:CPU (jaxlib 0.10.2): it waits on the pool it runs in."""
