@@ -72,6 +72,18 @@ def test_sincos_fast_is_a_rotation_for_every_finite_float32_angle():
   assert np.all(np.isnan(sin)) and np.all(np.isnan(cos))
 
 
+def test_the_circles_sin_cos_is_exact_below_2_to_the_13_and_a_rotation_above():
+  """``sin_cos`` is what the ``Circle``'s A step turns by: on XLA:CPU :func:`sincos_fast`, elsewhere ``jnp``'s."""
+  below = np.random.default_rng(1).uniform(-(2.0**13), 2.0**13, 100_000).astype(np.float32)
+  sin, cos = (np.asarray(v, np.float64) for v in jax.jit(numerics.sin_cos)(below))
+  x64 = below.astype(np.float64)
+  assert np.max(np.abs(sin - np.sin(x64))) <= 1.2e-7
+  assert np.max(np.abs(cos - np.cos(x64))) <= 1.2e-7
+  above = np.float32([8192.5, 1e20, -3.4e38, F32_MAX])
+  sin, cos = (np.asarray(v, np.float64) for v in jax.jit(numerics.sin_cos)(above))
+  assert np.max(np.abs(sin * sin + cos * cos - 1)) <= 2.5e-7
+
+
 def test_sincos_of_inf_and_nan_is_nan():
   sin, cos = jax.jit(numerics.sincos)(np.float32([np.inf, -np.inf, np.nan]))
   assert np.all(np.isnan(sin)) and np.all(np.isnan(cos))
