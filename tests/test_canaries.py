@@ -50,11 +50,21 @@ def _noisy_ud(constraint):
   return cola.cola_ud(0.1, friction=1.0, constraints=constraint, temperature=1e-4, key=jax.random.key(1))
 
 
-def _step_times(mechanism, step, args):
-  with_it = jax.jit(lambda *a: step(*a)).lower(*args).compile()
-  with _platform.plain(mechanism):
-    without = jax.jit(lambda *a: step(*a)).lower(*args).compile()
-  return _canary.step_times(with_it, without, args, repetitions=31)
+def _check_the_update_saves(mechanism, constraint, recorded, executables=3):
+  """The noisy CoLA-ud update of 8 kernels 512 x 512 on ``constraint`` is faster with ``mechanism`` than without.
+
+  Each side's least time over ``executables`` compilations: on a shared machine one executable may run
+  twice as slow as another of the same program for all its calls (measured: 5.5 against 13.8 ms).
+  """
+  step, args = _update_step(_noisy_ud, constraint)
+  pairs = []
+  for _ in range(executables):
+    with_it = jax.jit(lambda *a: step(*a)).lower(*args).compile()
+    with _platform.plain(mechanism):
+      without = jax.jit(lambda *a: step(*a)).lower(*args).compile()
+    pairs.append(_canary.step_times(with_it, without, args, repetitions=31))
+  with_it, without = (min(times) for times in zip(*pairs))
+  _canary.check_saves(mechanism, "update ms", with_it * 1e3, without * 1e3, recorded)
 
 
 def _compile_times(mechanism, step, args):
@@ -66,36 +76,22 @@ def _compile_times(mechanism, step, args):
 
 def test_the_gated_exact_angle_makes_the_ball_step_faster():
   """``MaxNorm``'s great-circle step: sine and cosine in plain arithmetic, the exact reduction only when needed."""
-  step, args = _update_step(_noisy_ud, cola.MaxNorm(1.0))
-  with_it, without = _step_times("sincos", step, args)
-  _canary.check_saves(
-    "sincos", "update ms", with_it * 1e3, without * 1e3, "CoLA-ud MaxNorm, 8 kernels 512 x 512: 599 against 761"
-  )
+  _check_the_update_saves("sincos", cola.MaxNorm(1.0), "CoLA-ud MaxNorm, 8 kernels 512 x 512: 599 against 761")
 
 
 def test_sine_and_cosine_in_plain_arithmetic_make_the_circle_step_faster():
   """XLA:CPU evaluates ``jnp.sin`` and ``jnp.cos`` as two scalar-heavy expansions, once per consumer."""
-  step, args = _update_step(_noisy_ud, cola.Circle(0.5))
-  with_it, without = _step_times("sincos", step, args)
-  _canary.check_saves(
+  _check_the_update_saves(
     "sincos",
-    "update ms",
-    with_it * 1e3,
-    without * 1e3,
+    cola.Circle(0.5),
     "CoLA-ud Circle, 8 kernels 512 x 512: 5.85 against 7.84 (25 to 41 % saved in six runs, AVX-512 and AVX2)",
   )
 
 
 def test_computing_the_circle_pair_together_makes_the_step_faster():
   """Without it, each of the new weight's, slack's and momentum's loops recomputes the normalised pair."""
-  step, args = _update_step(_noisy_ud, cola.Circle(0.5))
-  with_it, without = _step_times("computed_together", step, args)
-  _canary.check_saves(
-    "computed_together",
-    "update ms",
-    with_it * 1e3,
-    without * 1e3,
-    "CoLA-ud Circle, 8 kernels 512 x 512: 539 against 1031",
+  _check_the_update_saves(
+    "computed_together", cola.Circle(0.5), "CoLA-ud Circle, 8 kernels 512 x 512: 539 against 1031"
   )
 
 
