@@ -326,8 +326,18 @@ class Update:
     default ``free=``'s, is taken as it is); ``new_auxes`` the stepped leaves'
     new constraint states (the others keep theirs).
     """
-    auxes = [new if s else old for new, old, s in zip(new_auxes, self.auxes, self.stepped)]
-    return self.leaves.updates(new_params, self.free_updates if given is None else given), self.leaves.kept(auxes)
+    updates = self.leaves.updates(new_params, self.free_updates if given is None else given)
+    return updates, self.kept(new_auxes)
+
+  def kept(self, new_auxes: list):
+    """The constraint states to keep, as a tree: the stepped leaves' new ones, the others' as they were."""
+    return self.leaves.kept([new if s else old for new, old, s in zip(new_auxes, self.auxes, self.stepped)])
+
+  def values(self, new_params: list):
+    """The new values as a tree, each in its parameter's dtype (a leaf not stepped stays as it was)."""
+    return self.leaves.unflatten(
+      [p if new is None else new.astype(p.dtype) for new, p in zip(new_params, self.leaves.params)]
+    )
 
 
 class Driver:
