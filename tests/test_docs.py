@@ -235,6 +235,10 @@ def test_api_reference_has_an_entry_for_every_public_name(ext):
   text = ext.reference()
   entries = re.findall(r"^\.\. auto(?:function|class|module):: cola_jax\.(\w+)$", text, flags=re.MULTILINE)
   assert sorted(entries) == sorted(cola_jax.__all__)
+  # A subpackage's names, each its own entry (cola_jax.sampling.sample_chain), its module without :members:
+  entries = re.findall(r"^\.\. auto(?:function|class):: cola_jax\.sampling\.(\w+)$", text, flags=re.MULTILINE)
+  assert sorted(entries) == sorted(cola_jax.sampling.__all__)
+  assert ".. automodule:: cola_jax.sampling\n\n.. " in text
 
 
 def test_a_name_from_a_new_module_goes_under_more(ext, monkeypatch):
@@ -255,8 +259,11 @@ def test_coverage_check_names_the_missing_entries():
   finally:
     sys.path.remove(str(DOCS / "ext"))
   documented = {f"cola_jax.{name}" for name in cola_jax.__all__}
+  documented |= {f"cola_jax.sampling.{name}" for name in cola_jax.sampling.__all__}
   assert coverage_check.missing_entries(cola_jax, documented) == []
   assert coverage_check.missing_entries(cola_jax, documented - {"cola_jax.Orthogonal"}) == ["Orthogonal"]
+  missing = documented - {"cola_jax.sampling.sample_chain"}
+  assert coverage_check.missing_entries(cola_jax, missing) == ["sampling.sample_chain"]
 
 
 def test_the_site_serves_its_own_mathjax(monkeypatch):
