@@ -14,7 +14,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from typing import NamedTuple
 
-import blackjax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +21,8 @@ import optax
 import pytest
 
 from cola_jax import sampling
+
+blackjax = pytest.importorskip("blackjax")
 
 PRIOR_SCALE, DATA_SIZE = 2.0, 20
 DATA = 1.5 + jax.random.normal(jax.random.key(7), (DATA_SIZE,))
