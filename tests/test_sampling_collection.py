@@ -308,6 +308,9 @@ def test_one_progress_bar_for_many_chains(capsys):
     (dict(temperature=-1.0), ValueError, "sample_chain: temperature must be non-negative and finite, got -1.0"),
     (dict(temperature=float("inf")), ValueError, "sample_chain: temperature must be non-negative and finite"),
     (dict(observable="x"), TypeError, "sample_chain: observable must be None .* or a function"),
+    (dict(start=-3), ValueError, "sample_chain: start must be >= 0, got -3"),
+    (dict(start=1.5), TypeError, r"sample_chain: start must be an integer scalar \(a chain's num_steps\), got 1.5"),
+    (dict(start=jnp.zeros(2, jnp.int32)), TypeError, "sample_chain: start must be an integer scalar"),
   ],
 )
 def test_bad_arguments_are_named(kwargs, error, message):

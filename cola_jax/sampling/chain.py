@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from cola_jax._hyperparameters import check_nonnegative, check_positive
+from cola_jax._numerics import concrete_float
 from cola_jax.sampling import _progress
 
 
@@ -64,7 +65,7 @@ def _position(state: Any) -> Any:
   return state.position if hasattr(state, "position") else state
 
 
-def _next_state(out: Any, state: Any) -> Any:
+def _next_state(owner: str, out: Any, state: Any) -> Any:
   """The state in what a step returned: a state, or ``(state, info)``."""
   structure = jax.tree.structure(state)
   if jax.tree.structure(out) == structure:
@@ -72,66 +73,76 @@ def _next_state(out: Any, state: Any) -> Any:
   if isinstance(out, tuple) and len(out) == 2 and jax.tree.structure(out[0]) == structure:
     return out[0]
   raise TypeError(
-    f"sample_chain: step must return the state (tree {structure}) or (state, info), got a tree "
-    f"{jax.tree.structure(out)}."
+    f"{owner}: step must return the state (tree {structure}) or (state, info), got a tree {jax.tree.structure(out)}."
   )
 
 
-def _run(
-  step,
-  state,
-  key,
-  minibatch,
-  start,
-  *,
-  num_samples,
-  num_burnin,
-  thinning,
-  step_size,
-  temperature,
-  observable,
-  progress_bar,
-):
-  total = num_burnin + num_samples * thinning
-  report = _progress.progress(total) if progress_bar else _progress.silent
+class _Options(NamedTuple):
+  """A run's settings, checked."""
+
+  owner: str
+  num_samples: int
+  num_burnin: int
+  thinning: int
+  step_size: Any
+  temperature: Any
+  observable: Callable[[Any], Any] | None
+  progress_bar: bool
+
+  @property
+  def total(self) -> int:
+    return self.num_burnin + self.num_samples * self.thinning
+
+
+def _run(step, state, key, minibatch, start, options: _Options):
+  """The chain as one scan: (samples, last state)."""
+  report = _progress.progress(options.total) if options.progress_bar else _progress.silent
+  observable = options.observable
   observe = _position if observable is None else lambda s: observable(_position(s))
   start = jnp.asarray(start, jnp.int32)
 
   def one_step(j, state):  # j: the step's index in this run; start + j: in the chain
     i = start + j
     batch = minibatch(i) if callable(minibatch) else minibatch
-    out = step(jax.random.fold_in(key, i), state, batch, _at(step_size, i), _at(temperature, i))
+    out = step(jax.random.fold_in(key, i), state, batch, _at(options.step_size, i), _at(options.temperature, i))
     report(j)
-    return _next_state(out, state)
+    return _next_state(options.owner, out, state)
 
-  state = jax.lax.fori_loop(0, num_burnin, one_step, state)
+  state = jax.lax.fori_loop(0, options.num_burnin, one_step, state)
 
   def one_sample(carry, _):
     state, j = carry
-    state = jax.lax.fori_loop(0, thinning, lambda t, s: one_step(j + t, s), state)
-    return (state, j + thinning), observe(state)
+    state = jax.lax.fori_loop(0, options.thinning, lambda t, s: one_step(j + t, s), state)
+    return (state, j + options.thinning), observe(state)
 
-  (state, _), samples = jax.lax.scan(one_sample, (state, jnp.int32(num_burnin)), length=num_samples)
+  (state, _), samples = jax.lax.scan(one_sample, (state, jnp.int32(options.num_burnin)), length=options.num_samples)
   return samples, state
 
 
-def _checked(owner, step, observable, num_samples, num_burnin, thinning, step_size, temperature):
+def _checked(owner, step, start, **settings) -> _Options:
   if not callable(step):
     raise TypeError(
       f"{owner}: step must be a sampler's step function (rng_key, state, minibatch, step_size, "
       f"temperature) -> state, got {step!r}."
     )
+  observable = settings["observable"]
   if observable is not None and not callable(observable):
     raise TypeError(
       f"{owner}: observable must be None (store the positions) or a function of the position, got {observable!r}."
     )
-  check_positive(owner, "step_size", step_size)
-  check_nonnegative(owner, "temperature", temperature)
-  return dict(
-    num_samples=_count(owner, "num_samples", num_samples, 1),
-    num_burnin=_count(owner, "num_burnin", num_burnin, 0),
-    thinning=_count(owner, "thinning", thinning, 1),
+  if jnp.ndim(start) != 0 or not jnp.issubdtype(jnp.result_type(start), jnp.integer):
+    raise TypeError(f"{owner}: start must be an integer scalar (a chain's num_steps), got {start!r}.")
+  known = concrete_float(start)
+  if known is not None and known < 0:
+    raise ValueError(f"{owner}: start must be >= 0, got {start!r}.")
+  check_positive(owner, "step_size", settings["step_size"])
+  check_nonnegative(owner, "temperature", settings["temperature"])
+  counts = dict(
+    num_samples=_count(owner, "num_samples", settings["num_samples"], 1),
+    num_burnin=_count(owner, "num_burnin", settings["num_burnin"], 0),
+    thinning=_count(owner, "thinning", settings["thinning"], 1),
   )
+  return _Options(owner=owner, **{**settings, **counts})
 
 
 def sample_chain(
@@ -202,21 +213,20 @@ def sample_chain(
     >>> int(more.num_steps)
     600
   """
-  counts = _checked("sample_chain", step, observable, num_samples, num_burnin, thinning, step_size, temperature)
-  samples, state = _run(
+  options = _checked(
+    "sample_chain",
     step,
-    state,
-    key,
-    minibatch,
     start,
+    num_samples=num_samples,
+    num_burnin=num_burnin,
+    thinning=thinning,
     step_size=step_size,
     temperature=temperature,
     observable=observable,
     progress_bar=progress_bar,
-    **counts,
   )
-  total = counts["num_burnin"] + counts["num_samples"] * counts["thinning"]
-  return Chain(samples, state, jnp.asarray(start, jnp.int32) + total)
+  samples, state = _run(step, state, key, minibatch, start, options)
+  return Chain(samples, state, jnp.asarray(start, jnp.int32) + options.total)
 
 
 def sample_chains(
@@ -270,19 +280,17 @@ def sample_chains(
     >>> chains.samples.shape
     (4, 200)
   """
-  counts = _checked("sample_chains", step, observable, num_samples, num_burnin, thinning, step_size, temperature)
-  run = lambda state, key: _run(
+  options = _checked(
+    "sample_chains",
     step,
-    state,
-    key,
-    minibatch,
     start,
+    num_samples=num_samples,
+    num_burnin=num_burnin,
+    thinning=thinning,
     step_size=step_size,
     temperature=temperature,
     observable=observable,
     progress_bar=progress_bar,
-    **counts,
   )
-  samples, states = jax.vmap(run)(states, keys)
-  total = counts["num_burnin"] + counts["num_samples"] * counts["thinning"]
-  return Chain(samples, states, jnp.asarray(start, jnp.int32) + total)
+  samples, states = jax.vmap(lambda state, key: _run(step, state, key, minibatch, start, options))(states, keys)
+  return Chain(samples, states, jnp.asarray(start, jnp.int32) + options.total)
