@@ -1,0 +1,408 @@
+#!/usr/bin/env python
+"""Cost of cola's samplers: a sampler step against the optimizer's, many chains against blackjax's, the noise.
+
+Each measurement runs in one process, interleaved with its baseline after warm-up
+(:func:`benchmarks.harness.timing.measure_pair`); every timed function is jitted with its carry donated and
+compiled once by ``lower().compile()``, whose wall and CPU seconds and ``memory_analysis()`` bytes are recorded.
+
+1. ``optimizer``: one step of ``cola.sampling.underdamped`` (BAOAB) and ``cola.sampling.overdamped``
+   (gradient of the log-density + step) against the full training step of ``cola.cola_ud`` (BAOAB) and
+   ``cola.cola_od`` (gradient of the mean loss + update + apply_updates), on the 784-1000-10 ReLU MLP, batch
+   128, with the Circle constraints of the paper's Fashion-MNIST model (radius 0.05 on the first layer's
+   weights, 0.1 on the second's), the same step size, friction and key, noise on: the sampler at ``T = 1``,
+   the optimizer at ``tau = 1 / N`` (the same law). The sampler's ``grad_estimator`` is ``-N`` times the
+   gradient of the mean cross-entropy, ``N = --data-size``.
+2. ``chains``: ``--chains`` chains by ``jax.vmap`` over keys and states on the 784-100-10 MLP, batch 128, the
+   chains sharing one minibatch per step. A timed call is ``--integration-steps`` gradient evaluations per
+   chain: that many steps of cola's samplers or ``blackjax.sgld`` under ``lax.scan``, one call of
+   ``blackjax.sghmc`` with as many integration steps. Reported: seconds per gradient evaluation and chain;
+   ``underdamped`` (Circle, and without constraints) against ``sghmc``, ``overdamped`` (no constraint)
+   against ``sgld``, all at ``T = 1`` with the same step size and friction (sghmc's ``alpha``).
+3. ``noise``: ``cola.c_cola_ud``'s update (fixed gradients) and full step on the 784-1000-10 MLP against
+   SGD-m's, ``optax.sgd(h**2, momentum=exp(-gamma h))``, at temperature 0 and with noise under each key
+   implementation a user can pass (``jax.random.key(seed, impl=...)``); and blackjax's own noise path
+   (``blackjax.util.generate_gaussian_noise`` over the parameter tree, after a key split, as its SG-MCMC
+   steps draw) interleaved with the noisy update, beside cola's draw: the noisy update's median minus the
+   noiseless one's. ``key_impls`` says, per kind, what each implementation saves against threefry2x32.
+
+Usage::
+
+  OPENBLAS_NUM_THREADS=1 python -m benchmarks.cost.sampler_cost          # full run, about 8 minutes
+  OPENBLAS_NUM_THREADS=1 python -m benchmarks.cost.sampler_cost --smoke  # tiny models, seconds
+
+Writes ``sampler_cost.json`` under ``--out`` (default results/cost/) after every measurement
+(``config.complete`` says whether the run finished). JSON keys: ``meta`` (command, date, machine,
+versions), ``config``, ``optimizer``, ``chains``, ``noise`` (records with the medians ``method_ms``,
+``baseline_ms``, their ``ratio``, the spread and ``compile``: :func:`benchmarks.harness.timing.compile_cost`
+of each side), ``noise_draws`` (blackjax's draw against cola's, per key implementation), ``key_impls``,
+``targets`` (``name``, ``value``, ``limit``, ``met``).
+"""
+
+import math
+import os
+import sys
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import blackjax
+import jax
+import jax.numpy as jnp
+import optax
+from blackjax.util import generate_gaussian_noise
+
+import cola_jax as cola
+from benchmarks.cost.step_overhead import build
+from benchmarks.cost.step_overhead_models import Model, init_mlp, make_batch, make_loss
+from benchmarks.harness.records import provenance, write_json
+from benchmarks.harness.timing import (
+  compile_cost,
+  measure_pair,
+  pair_summary,
+  speed_output,
+  speed_parser,
+  started_run,
+  target_lines,
+  tree_bytes,
+)
+
+IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+TOP_KEYS = ("meta", "config", "optimizer", "chains", "noise", "noise_draws", "key_impls", "targets")
+RECORD_KEYS = (
+  "name",
+  "method",
+  "baseline",
+  "method_ms",
+  "baseline_ms",
+  "ratio",
+  "ratio_of_paired",
+  "repetitions",
+  "compile",
+)
+RADIUS = {"Dense_0": 0.05, "Dense_1": 0.1}
+
+
+def models(smoke: bool) -> tuple[Model, Model]:
+  """The paper's 784-1000-10 MLP and the Bayesian experiment's 784-100-10 (tiny stand-ins for --smoke)."""
+  if smoke:
+    return Model("mlp1000", (48, 64, 10), 16, "softmax", RADIUS), Model("mlp100", (48, 16, 10), 16, "softmax", RADIUS)
+  return (
+    Model("mlp1000", (784, 1000, 10), 128, "softmax", RADIUS),
+    Model("mlp100", (784, 100, 10), 128, "softmax", RADIUS),
+  )
+
+
+def log_density_gradient(loss_fn, data_size: int):
+  """blackjax's ``grad_estimator``: the gradient of ``-N`` times the mean loss on the minibatch."""
+  return lambda position, batch: jax.tree.map(lambda g: -data_size * g, jax.grad(loss_fn)(position, batch))
+
+
+def sampler_step(step, batch, step_size: float, temperature: float):
+  """``(state, key) -> (state, key)``: one step of a blackjax-shaped sampler, the key split as it goes."""
+
+  def fn(state, key):
+    key, sub = jax.random.split(key)
+    return step(sub, state, batch, step_size, temperature), key
+
+  return fn
+
+
+def chains_call(step, batch, step_size: float, temperature: float, steps: int):
+  """``(states, keys) -> (states, keys)``: ``steps`` steps of every chain (vmapped), one shared minibatch."""
+  vstep = jax.vmap(step, in_axes=(0, 0, None, None, None))
+
+  def one(carry, _):
+    states, keys = carry
+    keys, subs = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
+    return (vstep(subs, states, batch, step_size, temperature), keys), None
+
+  return lambda states, keys: jax.lax.scan(one, (states, keys), length=steps)[0]
+
+
+def compiled(fn, carry):
+  """``fn`` jitted with its carry donated and compiled for ``carry``, with what compiling it cost."""
+  return compile_cost(jax.jit(fn, donate_argnums=tuple(range(len(carry)))), *carry)
+
+
+def fresh(tree):
+  """A copy of ``tree``'s arrays: a donated carry must own its buffers."""
+  return jax.tree.map(jnp.copy, tree)
+
+
+def paired(args, name, sides, per_call: int = 1) -> dict:
+  """Times two sides ``(label, fn, carry)`` interleaved, ``fn`` compiled once per label: a record of the
+  medians in ms per ``per_call`` (gradient evaluations, chains) and the compile costs."""
+  exes, costs = [], []
+  for label, fn, carry in sides:
+    if label not in args.compiled:
+      args.compiled[label] = compiled(fn, carry)
+    exes.append(args.compiled[label][0])
+    costs.append(args.compiled[label][1])
+  t_m, t_b = measure_pair(exes, [carry for *_, carry in sides], args.warmup, args.repetitions, args.budget)
+  summary = pair_summary(t_m / per_call, t_b / per_call)
+  if not args.quiet:
+    ms, base, ratio = summary["method_ms"], summary["baseline_ms"], summary["ratio"]
+    print(f"{name}: {ms:.4g} ms / {base:.4g} ms = {ratio:.3f}x", file=sys.stderr, flush=True)
+  return {
+    "name": name,
+    "method": sides[0][0],
+    "baseline": sides[1][0],
+    **summary,
+    "compile": dict(zip(("method", "baseline"), costs)),
+  }
+
+
+def optimizer_pairs(args, model, key) -> list[dict]:
+  """Item 1: the samplers' steps against cola_ud's and cola_od's training steps."""
+  kp, kb = jax.random.split(key)
+  params, batch, loss_fn = init_mlp(kp, model.sizes), make_batch(model, kb), make_loss(model)
+  constraints = cola.circle_constraints(model.radius)
+  grad_estimator = log_density_gradient(loss_fn, args.data_size)
+  noise = lambda: {"temperature": 1.0 / args.data_size, "key": jax.random.key(args.seed)}
+  underdamped = cola.sampling.underdamped(grad_estimator, friction=args.friction, constraints=constraints)
+  cola_ud = lambda: cola.cola_ud(
+    args.h_ud, friction=args.friction, constraints=constraints, splitting="BAOAB", **noise()
+  )
+  pairs = (
+    ("underdamped", underdamped, args.h_ud, "cola_ud(BAOAB)", cola_ud),
+    (
+      "overdamped",
+      cola.sampling.overdamped(grad_estimator, constraints=constraints),
+      args.h_od,
+      "cola_od",
+      lambda: cola.cola_od(args.h_od, constraints=constraints, **noise()),
+    ),
+  )
+  records = []
+  for name, sampler, h, optimizer, make_tx in pairs:
+    sampler_side = (
+      name,
+      sampler_step(sampler.step, batch, h, 1.0),
+      (sampler.init(fresh(params)), jax.random.key(args.seed)),
+    )
+    records.append(
+      paired(
+        args,
+        f"{name} / {optimizer} step",
+        (sampler_side, (optimizer, *build("step", make_tx(), loss_fn, params, None, batch))),
+      )
+    )
+  return records
+
+
+def chain_pairs(args, model, key) -> list[dict]:
+  """Item 2: many chains by vmap, cola's samplers against blackjax's sghmc and sgld, per gradient and chain."""
+  kp, kb = jax.random.split(key)
+  batch, loss_fn = make_batch(model, kb), make_loss(model)
+  positions = jax.vmap(lambda k: init_mlp(k, model.sizes))(jax.random.split(kp, args.chains))
+  grad_estimator = log_density_gradient(loss_fn, args.data_size)
+  L, circle = args.integration_steps, cola.circle_constraints(model.radius)
+  samplers = {  # name: (sampler, step size, its steps per call)
+    "underdamped Circle": (
+      cola.sampling.underdamped(grad_estimator, friction=args.friction, constraints=circle),
+      args.h_ud,
+      L,
+    ),
+    "underdamped free": (cola.sampling.underdamped(grad_estimator, friction=args.friction), args.h_ud, L),
+    "overdamped free": (cola.sampling.overdamped(grad_estimator), args.h_od, L),
+    "blackjax.sghmc": (blackjax.sghmc(grad_estimator, num_integration_steps=L, alpha=args.friction), args.h_ud, 1),
+    "blackjax.sgld": (blackjax.sgld(grad_estimator), args.h_od, L),
+  }
+
+  def side(name):
+    sampler, h, steps = samplers[name]
+    keys = jax.random.split(jax.random.key(args.seed), args.chains)
+    return name, chains_call(sampler.step, batch, h, 1.0, steps), (jax.vmap(sampler.init)(fresh(positions)), keys)
+
+  records = []
+  for method, baseline in (
+    ("underdamped Circle", "blackjax.sghmc"),
+    ("underdamped free", "blackjax.sghmc"),
+    ("overdamped free", "blackjax.sgld"),
+  ):
+    record = paired(
+      args, f"{method} / {baseline} per gradient and chain", (side(method), side(baseline)), per_call=L * args.chains
+    )
+    records.append(
+      {
+        **record,
+        "gradients_per_call": L,
+        "chains": args.chains,
+        "unit": "ms per gradient evaluation and chain",
+        "minibatch": "one per step, shared by the chains",
+        "position_bytes": tree_bytes(positions) // args.chains,
+      }
+    )
+  return records
+
+
+def noise_pairs(args, model, key) -> tuple[list[dict], list[dict]]:
+  """Item 3: c_cola_ud's update and step against SGD-m's, noiseless and per key implementation; the draws."""
+  kp, kb = jax.random.split(key)
+  params, batch, loss_fn = init_mlp(kp, model.sizes), make_batch(model, kb), make_loss(model)
+  grads = jax.grad(loss_fn)(params, batch)
+  lr, momentum = cola.langevin_to_sgd_momentum(args.h_noise, args.friction)
+
+  def c_cola_ud(kind, impl):
+    noise = {} if impl is None else {"temperature": args.tau, "key": jax.random.key(args.seed, impl=impl)}
+    tx = cola.c_cola_ud(args.h_noise, friction=args.friction, radius=model.radius, **noise)
+    return (f"c_cola_ud {kind}, {impl or 'noiseless'}", *build(kind, tx, loss_fn, params, grads, batch))
+
+  def draw(key, previous):
+    key, sub = jax.random.split(key)
+    return key, generate_gaussian_noise(sub, previous)
+
+  records, draws = [], []
+  for impl in (None, *args.impls):
+    for kind in ("update", "step"):
+      sgd_m = (
+        f"sgd({lr:.4g}, momentum={momentum:.4g}) {kind}",
+        *build(kind, optax.sgd(lr, momentum=momentum), loss_fn, params, grads, batch),
+      )
+      record = paired(args, f"c_cola_ud {impl or 'noiseless'} / SGD-m {kind}", (c_cola_ud(kind, impl), sgd_m))
+      records.append({**record, "kind": kind, "impl": impl})
+    if impl is not None:
+      blackjax_side = (
+        f"blackjax generate_gaussian_noise, {impl}",
+        draw,
+        (jax.random.key(args.seed, impl=impl), jax.tree.map(jnp.zeros_like, params)),
+      )
+      record = paired(
+        args, f"blackjax draw / c_cola_ud noisy update, {impl}", (blackjax_side, c_cola_ud("update", impl))
+      )
+      update_ms = {r["impl"]: r["method_ms"] for r in records if r["kind"] == "update"}
+      draws.append(
+        {
+          **record,
+          "impl": impl,
+          "normals": sum(x.size for x in jax.tree.leaves(params)),
+          "blackjax_draw_ms": record["method_ms"],
+          "cola_draw_ms": update_ms[impl] - update_ms[None],
+        }
+      )
+  return records, draws
+
+
+def key_impls(records) -> list[dict]:
+  """Per kind and key implementation: the share of the step that is noise and the saving against threefry."""
+  ratio = {(r["impl"], r["kind"]): r["ratio"] for r in records}
+  out = []
+  for (impl, kind), value in ratio.items():
+    if impl is None:
+      continue
+    saving = 1 - value / ratio[("threefry2x32", kind)]
+    out.append(
+      {
+        "impl": impl,
+        "kind": kind,
+        "ratio_to_sgd_m": value,
+        "noise_share": 1 - ratio[(None, kind)] / value,
+        "saving_vs_threefry": saving,
+        "buys_over_10_percent": saving > 0.1,
+      }
+    )
+  return out
+
+
+def targets_from(optimizer, chains) -> list[dict]:
+  targets = [{"name": r["name"], "value": r["ratio"], "limit": 1.05} for r in optimizer]
+  targets += [
+    {"name": r["name"], "value": r["ratio"], "limit": 1.0}
+    for r in chains
+    if "Circle" in r["name"] or "overdamped" in r["name"]
+  ]
+  return [
+    {**t, "met": None if t["value"] is None or not math.isfinite(t["value"]) else t["value"] <= t["limit"]}
+    for t in targets
+  ]
+
+
+def table(report) -> str:
+  rows = [f"{'measurement':62} {'method ms':>10} {'base ms':>10} {'ratio':>7} {'compile s':>10} {'temp MB':>8}"]
+  for part in ("optimizer", "chains", "noise", "noise_draws"):
+    for r in report[part]:
+      c = r["compile"]["method"]
+      temp = "n/a" if c["temp_bytes"] is None else f"{c['temp_bytes'] / 2**20:.2f}"
+      rows.append(
+        f"{r['name']:62} {r['method_ms']:10.4g} {r['baseline_ms']:10.4g} {r['ratio']:7.3f} "
+        f"{c['compile_s']:10.2f} {temp:>8}"
+      )
+  for d in report["noise_draws"]:
+    rows.append(
+      f"draw of {d['normals']} normals, {d['impl']}: blackjax {d['blackjax_draw_ms']:.4g} ms, "
+      f"cola {d['cola_draw_ms']:.4g} ms"
+    )
+  for k in report["key_impls"]:
+    rows.append(
+      f"{k['impl']:>12} {k['kind']:6}: {k['ratio_to_sgd_m']:.2f}x SGD-m, noise {100 * k['noise_share']:.0f} %,"
+      f" saves {100 * k['saving_vs_threefry']:.0f} % of threefry's{'  > 10 %' * k['buys_over_10_percent']}"
+    )
+  return "\n".join(rows + target_lines(report["targets"], lambda t: f"{t['value']:.3f}"))
+
+
+def parse_args(argv=None):
+  p = speed_parser(
+    __doc__, "tiny models and a few repetitions: a check that runs in seconds", repetitions=400, budget_s=12.0
+  )
+  p.add_argument("--warmup", type=int, default=5)
+  p.add_argument("--h-ud", type=float, default=1e-3, help="underdamped step size h (samplers and cola_ud)")
+  p.add_argument("--h-od", type=float, default=1e-5, help="overdamped step size h (samplers and cola_od)")
+  p.add_argument("--h-noise", type=float, default=0.3, help="c_cola_ud's step h against SGD-m (step_overhead's)")
+  p.add_argument("--tau", type=float, default=1e-6, help="c_cola_ud's temperature with noise (step_overhead's)")
+  p.add_argument("--friction", type=float, default=1.0)
+  p.add_argument("--data-size", type=int, default=10000, help="N: the log-density is -N times the mean loss")
+  p.add_argument("--chains", type=int, default=16)
+  p.add_argument("--integration-steps", type=int, default=10, help="gradient evaluations per timed chains call")
+  p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS, help="PRNG key implementations")
+  p.add_argument(
+    "--parts", nargs="+", default=["optimizer", "chains", "noise"], choices=["optimizer", "chains", "noise"]
+  )
+  p.add_argument("--quiet", action="store_true", help="no line per measurement on stderr")
+  args = p.parse_args(argv)
+  if "threefry2x32" not in args.impls:
+    p.error("--impls: threefry2x32 is the reference the others are compared with")
+  return args
+
+
+def main(argv=None) -> dict:
+  argv, args, start = started_run(parse_args, argv)
+  if args.smoke:
+    args.repetitions, args.warmup, args.budget = min(args.repetitions, 5), min(args.warmup, 1), min(args.budget, 1.0)
+  args.out = speed_output(args, "sampler_cost")
+  large, small = models(args.smoke)
+  config = {
+    **{name: value for name, value in vars(args).items() if name != "out"},
+    "models": {m.name: {"sizes": list(m.sizes), "batch": m.batch, "radius": m.radius} for m in (large, small)},
+    "timing": "median over interleaved repetitions after warm-up; jit with the carry donated, compiled once; "
+    "jax.block_until_ready after every call",
+  }
+  report: dict = {key: [] for key in TOP_KEYS[2:]}
+  args.compiled = {}  # label: (executable, compile cost), a program compiled once
+  path = os.path.join(args.out, "sampler_cost.json")
+
+  def written(complete=False) -> dict:
+    report.update(
+      meta=provenance(argv, start, packages=("blackjax",)),
+      config={**config, "complete": complete},
+      targets=targets_from(report["optimizer"], report["chains"]),
+    )
+    write_json(path, {key: report[key] for key in TOP_KEYS})
+    return report
+
+  key = jax.random.key(args.seed)
+  if "optimizer" in args.parts:
+    report["optimizer"] = optimizer_pairs(args, large, jax.random.fold_in(key, 1))
+    written()
+  if "chains" in args.parts:
+    report["chains"] = chain_pairs(args, small, jax.random.fold_in(key, 2))
+    written()
+  if "noise" in args.parts:
+    report["noise"], report["noise_draws"] = noise_pairs(args, large, jax.random.fold_in(key, 3))
+    report["key_impls"] = key_impls(report["noise"])
+  written(complete=True)
+  print(table(report))
+  print(f"\nwrote {path}")
+  return report
+
+
+if __name__ == "__main__":
+  main()
