@@ -49,6 +49,16 @@ def test_smoke_run_writes_the_documented_report(sampler_cost, tmp_path):
   assert sgld["compile"]["baseline"]["argument_bytes"] == chains * (position_bytes + 8)
   assert sgld["compile"]["method"]["argument_bytes"] == chains * (position_bytes + 8)
 
+  # The collection's output is what was asked: the samples, the last states, the step count and XLA's tuple
+  # table, whatever the thinning and burn-in; twice the samples, twice the samples' bytes.
+  rows = report["collection"]
+  assert [r["chains"] for r in rows] == [1, chains, chains, chains]
+  assert all(r["excess_bytes"] == 0 for r in rows)
+  single, thin, thinned, double = rows
+  assert thin["output_bytes"] == thinned["output_bytes"] and (thin["thinning"], thinned["thinning"]) == (1, 10)
+  assert double["output_bytes"] - thin["output_bytes"] == chains * thin["num_samples"] * position_bytes
+  assert single["position_bytes"] == position_bytes
+
   impls = report["config"]["impls"]
   assert {(r["impl"], r["kind"]) for r in report["noise"]} == {
     (impl, kind) for impl in (None, *impls) for kind in ("update", "step")
@@ -63,7 +73,7 @@ def test_smoke_run_writes_the_documented_report(sampler_cost, tmp_path):
   threefry = [k for k in report["key_impls"] if k["impl"] == "threefry2x32"]
   assert all(k["saving_vs_threefry"] == 0 and k["buys_over_10_percent"] is False for k in threefry)
 
-  assert len(report["targets"]) == 4
+  assert len(report["targets"]) == 5
   assert all(t["met"] in (True, False) and math.isfinite(t["value"]) for t in report["targets"])
 
 

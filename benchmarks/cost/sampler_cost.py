@@ -22,6 +22,9 @@ and ``memory_analysis()`` bytes are recorded (``compile``: ``harness.timing.comp
    (``blackjax.util.generate_gaussian_noise`` over the parameters after a key split, as its SG-MCMC steps draw)
    interleaved with the noisy update, beside cola's draw (the noisy update's median minus the noiseless one's).
    ``key_impls``: per kind, the noise's share of the time and each implementation's saving against threefry.
+4. ``collection``: ``memory_analysis()`` of ``cola.sampling.sample_chains`` (compiled, not run) storing
+   ``--samples`` thinned positions of each chain on the 784-100-10 MLP (underdamped, Circle): its output bytes
+   against what was asked (the samples and the chains' last states), at two thinnings and burn-ins.
 
 Usage::
 
@@ -60,8 +63,8 @@ from benchmarks.harness.timing import (
 )
 
 IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
-PARTS = ("optimizer", "chains", "noise")
-TOP_KEYS = ("meta", "config", "optimizer", "chains", "noise", "noise_draws", "key_impls", "targets")
+PARTS = ("optimizer", "chains", "noise", "collection")
+TOP_KEYS = ("meta", "config", "optimizer", "chains", "noise", "noise_draws", "key_impls", "collection", "targets")
 RECORD_KEYS = ("name", "method", "baseline", "method_ms", "baseline_ms", "ratio", "ratio_of_paired", "compile")
 RADIUS = {"Dense_0": 0.05, "Dense_1": 0.1}
 
@@ -249,6 +252,38 @@ def noise_pairs(args, model, key) -> dict:
   return {"noise": records, "noise_draws": draws, "key_impls": key_impls(records)}
 
 
+def collection_memory(args, model, key) -> list[dict]:
+  """Item 4: ``memory_analysis()`` of ``sample_chain`` / ``sample_chains`` (compiled, not run) storing k samples.
+
+  ``asked_bytes``: the samples, the last states and the step count; ``tuple_bytes``: XLA's table of the
+  output tuple, 8 bytes per array; ``excess_bytes``: the output's bytes beyond both.
+  """
+  kp, kb = jax.random.split(key)
+  batch, grad_estimator = make_batch(model, kb), log_density_gradient(make_loss(model), args.data_size)
+  positions = jax.vmap(lambda k: init_mlp(k, model.sizes))(jax.random.split(kp, args.chains))
+  circle = cola.circle_constraints(model.radius)
+  sampler = cola.sampling.underdamped(grad_estimator, friction=args.friction, constraints=circle)
+  states, keys = jax.vmap(sampler.init)(positions), jax.random.split(jax.random.key(args.seed), args.chains)
+  position_bytes, state_bytes = tree_bytes(positions) // args.chains, tree_bytes(states) // args.chains
+  one = jax.tree.map(lambda x: x[0], (states, keys))
+  rows = []
+  for chains, samples, thinning, burnin in (
+    (1, args.samples, 1, 0),
+    *((args.chains, k, t, b) for k, t, b in ((args.samples, 1, 0), (args.samples, 10, 100), (2 * args.samples, 1, 0))),
+  ):
+    options = dict(num_samples=samples, step_size=args.h_ud, thinning=thinning, num_burnin=burnin)
+    collect = cola.sampling.sample_chain if chains == 1 else cola.sampling.sample_chains
+    fn = jax.jit(lambda states, keys: collect(sampler.step, states, keys, batch, **options))
+    carry = one if chains == 1 else (states, keys)
+    cost = compile_cost(fn, *carry)[1]
+    asked = chains * (samples * position_bytes + state_bytes) + 4  # the samples, the last states, num_steps
+    tuple_bytes = 8 * len(jax.tree.leaves(jax.eval_shape(fn, *carry)))
+    row = dict(chains=chains, num_samples=samples, thinning=thinning, num_burnin=burnin, asked_bytes=asked)
+    excess = cost["output_bytes"] - asked - tuple_bytes
+    rows.append({**row, "tuple_bytes": tuple_bytes, "excess_bytes": excess, "position_bytes": position_bytes, **cost})
+  return rows
+
+
 def key_impls(records) -> list[dict]:
   """Per kind and key implementation: the share of the step that is noise and the saving against threefry."""
   ratio = {(r["impl"], r["kind"]): r["ratio"] for r in records}
@@ -261,9 +296,12 @@ def key_impls(records) -> list[dict]:
 
 
 def targets_from(report) -> list[dict]:
-  """The issue's targets: time ratios, cola's over the baseline's."""
+  """The issue's targets: time ratios (cola's over the baseline's) and the collection's bytes beyond what was asked."""
   targets = [(r["name"], r["ratio"], 1.05) for r in report["optimizer"]]
   targets += [(r["name"], r["ratio"], 1.0) for r in report["chains"] if "free / blackjax.sghmc" not in r["name"]]
+  if report["collection"]:
+    excess = max(r["excess_bytes"] for r in report["collection"])
+    targets.append(("collection output bytes beyond the samples, last states and tuple table", excess, 0))
   return [dict(name=n, value=v, limit=lim, met=None if v is None else bool(v <= lim)) for n, v, lim in targets]
 
 
@@ -286,6 +324,12 @@ def table(report) -> str:
     f"saves {100 * k['saving_vs_threefry']:.0f} % of threefry's{'  > 10 %' * k['buys_over_10_percent']}"
     for k in report["key_impls"]
   ]
+  rows += [
+    f"{r['chains']} chains x {r['num_samples']} samples, thinning {r['thinning']}, burn-in {r['num_burnin']}: "
+    f"output {r['output_bytes']} B = asked {r['asked_bytes']} + tuple {r['tuple_bytes']} + {r['excess_bytes']}, "
+    f"temp {r['temp_bytes']} B"
+    for r in report["collection"]
+  ]
   return "\n".join(rows + target_lines(report["targets"], lambda t: f"{t['value']:.3f}"))
 
 
@@ -303,6 +347,7 @@ def parse_args(argv=None):
   p.add_argument("--chains", type=int, default=16)
   p.add_argument("--integration-steps", type=int, default=10, help="gradient evaluations per timed chains call")
   p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS, help="PRNG key implementations")
+  p.add_argument("--samples", type=int, default=100, help="samples per chain collected by sample_chains")
   p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
   p.add_argument("--quiet", action="store_true", help="no line per measurement on stderr")
   args = p.parse_args(argv)
@@ -315,6 +360,7 @@ def main(argv=None) -> dict:
   argv, args, start = started_run(parse_args, argv)
   if args.smoke:
     args.repetitions, args.warmup, args.budget = min(args.repetitions, 5), min(args.warmup, 1), min(args.budget, 1.0)
+    args.samples = min(args.samples, 10)
   args.out = speed_output(args, "sampler_cost")
   large, small = models(args.smoke)
   config = {
@@ -334,10 +380,10 @@ def main(argv=None) -> dict:
     return report
 
   key = jax.random.key(args.seed)
-  measure = {"optimizer": optimizer_pairs, "chains": chain_pairs, "noise": noise_pairs}
+  measure = {"optimizer": optimizer_pairs, "chains": chain_pairs, "noise": noise_pairs, "collection": collection_memory}
   for i, part in enumerate(PARTS):
     if part in args.parts:
-      measured = measure[part](args, small if part == "chains" else large, jax.random.fold_in(key, i))
+      measured = measure[part](args, small if part in ("chains", "collection") else large, jax.random.fold_in(key, i))
       report.update(measured if part == "noise" else {part: measured})
       written()
   written(complete=True)
