@@ -28,7 +28,7 @@ and ``memory_analysis()`` bytes are recorded (``compile``: ``harness.timing.comp
 
 Usage::
 
-  OPENBLAS_NUM_THREADS=1 python -m benchmarks.cost.sampler_cost          # about 8 minutes on 2 cores
+  OPENBLAS_NUM_THREADS=1 python -m benchmarks.cost.sampler_cost          # the full run
   OPENBLAS_NUM_THREADS=1 python -m benchmarks.cost.sampler_cost --smoke  # tiny models
 
 Writes ``sampler_cost.json`` under ``--out`` after every part (``config.complete``: whether the run finished),
