@@ -265,15 +265,15 @@ def collection_memory(args, model, key) -> list[dict]:
   sampler = cola.sampling.underdamped(grad_estimator, friction=args.friction, constraints=circle)
   states, keys = jax.vmap(sampler.init)(positions), jax.random.split(jax.random.key(args.seed), args.chains)
   position_bytes, state_bytes = tree_bytes(positions) // args.chains, tree_bytes(states) // args.chains
-  one = jax.tree.map(lambda x: x[0], (states, keys))
+  one, h, k, c = jax.tree.map(lambda x: x[0], (states, keys)), args.h_ud, args.samples, args.chains
   rows = []
-  for chains, samples, thinning, burnin in (
-    (1, args.samples, 1, 0),
-    *((args.chains, k, t, b) for k, t, b in ((args.samples, 1, 0), (args.samples, 10, 100), (2 * args.samples, 1, 0))),
-  ):
-    options = dict(num_samples=samples, step_size=args.h_ud, thinning=thinning, num_burnin=burnin)
+  for chains, samples, thinning, burnin in ((1, k, 1, 0), (c, k, 1, 0), (c, k, 10, 100), (c, 2 * k, 1, 0)):
     collect = cola.sampling.sample_chain if chains == 1 else cola.sampling.sample_chains
-    fn = jax.jit(lambda states, keys: collect(sampler.step, states, keys, batch, **options))
+    fn = jax.jit(
+      lambda s, k: collect(
+        sampler.step, s, k, batch, num_samples=samples, step_size=h, thinning=thinning, num_burnin=burnin
+      )
+    )
     carry = one if chains == 1 else (states, keys)
     cost = compile_cost(fn, *carry)[1]
     asked = chains * (samples * position_bytes + state_bytes) + 4  # the samples, the last states, num_steps
