@@ -268,6 +268,20 @@ def test_memory_is_what_is_stored_whatever_the_burn_in_and_thinning():
   assert out_more - out_scalar == 40 * 999 * 4  # a scalar stored instead of each position
 
 
+def test_many_chains_store_their_samples_in_place():
+  """16 chains of 50 samples of 1000 numbers: the output is the samples (and the states), and the temporaries
+  stay far below them (the samples are not stacked and then transposed to the chain-major layout, a copy)."""
+  sampler = sampling.underdamped(lambda q, batch: -q, friction=1.0)
+  states = jax.vmap(sampler.init)(jnp.zeros((16, 1000)))
+  chains = lambda s, k: sampling.sample_chains(
+    sampler.step, s, k, None, num_samples=50, num_burnin=10, thinning=2, step_size=0.1
+  )
+  analysis = jax.jit(chains).lower(states, jax.random.split(jax.random.key(0), 16)).compile().memory_analysis()
+  samples_bytes = 16 * 50 * 1000 * 4
+  assert samples_bytes <= analysis.output_size_in_bytes < samples_bytes + 16 * 3 * 1000 * 4 + 1024
+  assert analysis.temp_size_in_bytes < samples_bytes / 4
+
+
 def test_the_progress_bar_changes_no_result_and_counts_every_step(capsys):
   pytest.importorskip("tqdm")
   plain = jax.jit(lambda: run(num_burnin=5, num_samples=40))()

@@ -110,12 +110,19 @@ def _run(step, state, key, minibatch, start, options: _Options):
 
   state = jax.lax.fori_loop(0, options.num_burnin, one_step, state)
 
-  def one_sample(carry, _):
-    state, j = carry
-    state = jax.lax.fori_loop(0, options.thinning, lambda t, s: one_step(j + t, s), state)
-    return (state, j + options.thinning), observe(state)
+  # The samples are written into one buffer carried through the loop (not stacked by scan): under vmap (many
+  # chains) it is then (chains, samples, ...) in place, where scan's stacked output would be transposed, a copy.
+  shapes = jax.eval_shape(observe, state)
+  buffer = jax.tree.map(lambda x: jnp.zeros((options.num_samples, *x.shape), x.dtype), shapes)
 
-  (state, _), samples = jax.lax.scan(one_sample, (state, jnp.int32(options.num_burnin)), length=options.num_samples)
+  def one_sample(k, carry):
+    state, samples = carry
+    j = options.num_burnin + k * options.thinning
+    state = jax.lax.fori_loop(0, options.thinning, lambda t, s: one_step(j + t, s), state)
+    samples = jax.tree.map(lambda b, x: b.at[k].set(x), samples, observe(state))
+    return state, samples
+
+  state, samples = jax.lax.fori_loop(0, options.num_samples, one_sample, (state, buffer))
   return samples, state
 
 
