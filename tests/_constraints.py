@@ -8,6 +8,7 @@ same classes (slow). A test that holds for every constraint iterates
 """
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import cola_jax as cola
@@ -41,14 +42,32 @@ VARIANTS = [
   ("orthogonal_square_root", cola.Orthogonal(projection="square_root"), (4, 4)),
   ("max_spectral_norm_per_matrix", cola.MaxSpectralNorm(0.5, row_axes=(1,), column_axes=(2,)), (2, 4, 3)),
   ("implicit_inequality", cola.Implicit(inequality=_unit_sphere), (4,)),
+  ("implicit_quasi_newton", cola.Implicit(equality=_unit_sphere, quasi_newton=True), (4,)),
   ("implicit_per_unit", cola.Implicit(equality=_column_sums_and_norm, axis=(0,)), (3, 2)),
 ]
 
 
-def params(cases=None) -> list:
-  """``pytest.param(constraint, shape, id=id)`` for each case, those of ``VARIANTS`` marked slow."""
+def params(cases=None, *, names: bool = False) -> list:
+  """``pytest.param(constraint, shape, id=id)`` for each case (``(id, constraint, shape)`` with ``names``), those of
+  ``VARIANTS`` marked slow."""
+
+  def param(name, constraint, shape, marks=()):
+    return pytest.param(*((name,) if names else ()), constraint, shape, id=name, marks=marks)
+
   if cases is not None:
-    return [pytest.param(c, shape, id=name) for name, c, shape in cases]
-  quick = [pytest.param(c, shape, id=name) for name, c, shape in CASES]
-  slow = [pytest.param(c, shape, id=name, marks=pytest.mark.slow) for name, c, shape in VARIANTS]
-  return quick + slow
+    return [param(*c) for c in cases]
+  return [param(*c) for c in CASES] + [param(*c, marks=pytest.mark.slow) for c in VARIANTS]
+
+
+def case(name: str) -> tuple:
+  """``(constraint, shape)`` of the case ``name`` of ``CASES`` or ``VARIANTS``."""
+  found = [(c, shape) for n, c, shape in CASES + VARIANTS if n == name]
+  if not found:
+    raise KeyError(f"no case {name!r} in tests/_constraints.py")
+  return found[0]
+
+
+def start(constraint, shape, seed: int = 0) -> np.ndarray:
+  """A point of ``constraint`` on a float32 leaf of ``shape``: ``cola.project_params`` of standard normal entries."""
+  w = jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
+  return np.asarray(cola.project_params({"w": w}, {"w": constraint})["w"])
