@@ -81,7 +81,7 @@ GRIDS = {
   "sgdm": ((0.2, 0.8), (0.2, 0.7), (0.1, 0.9), (0.1, 0.8), (0.1, 0.7), (0.05, 0.95), (0.05, 0.9), (0.05, 0.8)),
   "sgld": (3e-6, 1e-5, 3e-5, 1e-4),
   "sghmc": (3e-4, 1e-3, 3e-3),
-  **dict.fromkeys(CONSTRAINTS, (1e-3, 2e-3, 3e-3, 6e-3)),
+  **dict.fromkeys(CONSTRAINTS, (1e-3, 2e-3, 4e-3)),
 }
 SGDM = (0.05, 0.8)
 STEP_SIZES = {"sgld": {1.0: 1e-5, COLD: 3e-5}, "sghmc": {1.0: 1e-3, COLD: 1e-3}}
