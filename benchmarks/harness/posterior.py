@@ -30,12 +30,15 @@ class Method(NamedTuple):
   ``init(member, params) -> state``; ``step(member, key, state, minibatch) -> state`` with
   ``minibatch = (x, y)``; ``position(state) -> params``; ``grads_per_step`` gradient evaluations per
   ``step``. ``member`` maps each name of the members to its (traced) value for this chain.
+  ``vectorized``: the chains run under ``vmap``; ``False``, one after the other (``lax.map``), for
+  steps that ``vmap`` makes slower per chain (an orthogonal projection's loop on XLA:CPU).
   """
 
   init: Callable
   step: Callable
   position: Callable
   grads_per_step: int = 1
+  vectorized: bool = True
 
 
 def _state_of(out):
@@ -45,7 +48,7 @@ def _state_of(out):
   return out
 
 
-def sampling_algorithm(make: Callable, grads_per_step: int = 1) -> Method:
+def sampling_algorithm(make: Callable, grads_per_step: int = 1, vectorized: bool = True) -> Method:
   """A :class:`Method` from ``make(member) -> (init, step)`` in blackjax's shape: ``init(position)``,
   ``step(key, state, minibatch, step_size, temperature)``; the step size and temperature are the
   member's ``step_size`` and ``temperature``. The position is ``state.position`` if the state has one,
@@ -60,6 +63,7 @@ def sampling_algorithm(make: Callable, grads_per_step: int = 1) -> Method:
     step=step,
     position=lambda state: getattr(state, "position", state),
     grads_per_step=grads_per_step,
+    vectorized=vectorized,
   )
 
 
@@ -178,7 +182,8 @@ def run_chains(
 
   members = {k: jnp.asarray(v) for k, v in members.items()}
   t0 = time.perf_counter()
-  compiled = jax.jit(jax.vmap(chain)).lower(members).compile()
+  chains = jax.vmap(chain) if method.vectorized else (lambda m: jax.lax.map(chain, m))
+  compiled = jax.jit(chains).lower(members).compile()
   compile_s = time.perf_counter() - t0
   t0 = time.perf_counter()
   metrics = jax.device_get(compiled(members))
