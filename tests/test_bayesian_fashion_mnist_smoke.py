@@ -6,6 +6,8 @@ stand-in of the same shapes when the IDX files are missing.
 
 import json
 import math
+import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -106,3 +108,24 @@ def test_smoke_defaults_to_a_new_temporary_folder(bfm, capsys):
   assert all(flag in out for flag in ("--seeds", "--budget", "--tune", "--smoke", "--out"))
   with pytest.raises(SystemExit):
     bfm.parse_args(["--methods", "adam"])
+
+
+def test_the_page_quotes_the_committed_run(bfm):
+  """docs/reproductions.md quotes results/paper/bayesian_fashion_mnist.json row by row, with its versions."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  run = json.loads((root / "results" / "paper" / "bayesian_fashion_mnist.json").read_text())
+  page = (root / "docs" / "reproductions.md").read_text()
+  assert run["config"]["seeds"] == [0, 1, 2, 3, 4] and not run["data"]["synthetic"]
+  for row, label in run["labels"].items():
+    quoted = re.search(rf"^\| {re.escape(label)} \| (.*) \|$", page, flags=re.MULTILINE)
+    assert quoted, label
+    s = run["summary"][row]
+    expected = [
+      f"{100 * s['accuracy_mean']:.2f} +- {100 * s['accuracy_std']:.2f}",
+      f"{s['nll_mean']:.3f} +- {s['nll_std']:.3f}",
+      f"{100 * s['ece_mean']:.2f} +- {100 * s['ece_std']:.2f}",
+      f"{100 * s['sample_accuracy_mean']:.2f} +- {100 * s['sample_accuracy_std']:.2f}",
+    ]
+    assert quoted.group(1).split(" | ") == expected, label
+  for package in ("jax", "optax", "flax", "blackjax", "numpy"):
+    assert f"{package} {run['versions'][package]}" in page, package

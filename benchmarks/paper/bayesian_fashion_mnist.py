@@ -148,6 +148,12 @@ def row_name(name: str, member: dict, tune: bool = False) -> str:
   return key
 
 
+def row_label(row: str) -> str:
+  """``"blackjax sgld, T = 0.01"`` for the row ``sgld_T0.01``."""
+  name, _, temperature = row.partition("_T")
+  return LABELS[name] + (f", T = {temperature}" if temperature else "")
+
+
 def run_method(name: str, args, dataset, seeds: Sequence[int], tune: bool) -> tuple[list[dict], dict, dict]:
   method = make_method(name, len(dataset.x_train))
   chains = members(name, seeds, tune)
@@ -327,6 +333,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     },
     "data": dataset.info,
     "methods": {m: LABELS[m] for m in args.methods},
+    "labels": {k: row_label(v["row"]) for k, v in rows.items()},
     "results": rows,
     "summary": summary,
     **(
