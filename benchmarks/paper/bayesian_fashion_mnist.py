@@ -84,8 +84,13 @@ GRIDS = {
   **dict.fromkeys(CONSTRAINTS, (1e-3, 2e-3, 4e-3)),
 }
 SGDM = (0.05, 0.8)
-STEP_SIZES = {"sgld": {1.0: 1e-5, COLD: 3e-5}, "sghmc": {1.0: 1e-3, COLD: 1e-3}}
-STEP_SIZES.update({name: {1.0: 3e-3, COLD: 3e-3} for name in CONSTRAINTS})
+STEP_SIZES = {
+  "sgld": {1.0: 1e-5, COLD: 3e-5},
+  "sghmc": {1.0: 1e-3, COLD: 1e-3},
+  "circle": {1.0: 4e-3, COLD: 4e-3},
+  "orthogonal": {1.0: 1e-3, COLD: 2e-3},
+  "maxnorm": {1.0: 1e-3, COLD: 4e-3},
+}
 SMOKE = {"seeds": 2, "budget": 200, "samples": 4, "n_train": 1000, "n_val": 500, "n_test": 1000}
 
 
