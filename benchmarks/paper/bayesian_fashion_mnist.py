@@ -91,7 +91,7 @@ STEP_SIZES = {
   "orthogonal": {1.0: 1e-3, COLD: 2e-3},
   "maxnorm": {1.0: 1e-3, COLD: 4e-3},
 }
-SMOKE = {"seeds": 2, "budget": 200, "samples": 4, "n_train": 1000, "n_val": 500, "n_test": 1000}
+SMOKE = {"seeds": 2, "budget": 200, "samples": 5, "n_train": 1000, "n_val": 500, "n_test": 1000}
 
 
 def log_probs(params, x):
