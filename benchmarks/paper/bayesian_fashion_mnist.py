@@ -48,7 +48,7 @@ import numpy as np
 import optax
 
 import cola_jax as cola
-from benchmarks.harness import data, models, posterior, report
+from benchmarks.harness import cli, data, models, posterior, report
 
 SCHEMA_VERSION = 1
 HIDDEN = 100
@@ -209,7 +209,7 @@ def parse_args(argv):
   p.add_argument("--seeds", type=int, default=5, help="number of seeds, 0..seeds-1")
   p.add_argument("--budget", type=int, default=4000, help="gradient evaluations per chain")
   p.add_argument("--samples", type=int, default=20, help="thinned positions averaged after the burn-in")
-  p.add_argument("--methods", type=cli_choices, default=METHODS, help=f"comma list of {', '.join(METHODS)}")
+  p.add_argument("--methods", type=cli.choices(METHODS), default=METHODS, help=f"comma list of {', '.join(METHODS)}")
   p.add_argument("--tune", action="store_true", help="the grids of GRIDS at seed 0, scored on the validation set")
   p.add_argument("--out", default=None, help="output folder; default results/paper/ (--smoke: a new temporary folder)")
   p.add_argument("--smoke", action="store_true", help=f"a tiny run for tests: {SMOKE}; synthetic data if needed")
@@ -226,12 +226,6 @@ def parse_args(argv):
   if min(args.seeds, args.budget, args.samples, args.n_train, args.n_val, args.n_test) < 1:
     p.error("--seeds, --budget, --samples, --n-train, --n-val and --n-test must be positive")
   return args
-
-
-def cli_choices(text: str) -> tuple:
-  from benchmarks.harness import cli
-
-  return cli.choices(METHODS)(text)
 
 
 def summarize(rows: dict) -> dict:
