@@ -15,4 +15,8 @@ For convolutional models: :mod:`.vision` (Flax CNN and ResNets with BatchNorm),
 :mod:`.schedules` (step decay by epochs) and :mod:`.stepwise` (one seed at a
 time, one jitted call per minibatch, with ``batch_stats``: what XLA's CPU
 convolutions need).
+
+For samplers: :mod:`.posterior` (chains of a stochastic-gradient sampler or an optimizer, every
+member at once, the posterior predictive averaged over thinned samples, and its accuracy, NLL and
+calibration error).
 """
