@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cola_jax import sampling
+
 from .train import seed_keys
 
 
@@ -192,17 +194,10 @@ def run_chains(
 
 
 def classification_metrics(log_probs: jax.Array, y: jax.Array, bins: int = 15) -> dict:
-  r"""Accuracy, mean negative log-likelihood and expected calibration error of ``(n, classes)``
-  log-probabilities against labels ``y``.
-
-  .. math::
-    \mathrm{ECE} = \sum_b \frac{n_b}{n} \big|\mathrm{acc}_b - \mathrm{conf}_b\big|,
-
-  the confidence ``max_k p_k`` cut into ``bins`` equal bins of [0, 1] (Guo et al., 2017).
-  """
-  confidence = jnp.exp(jnp.max(log_probs, -1))
-  correct = (jnp.argmax(log_probs, -1) == y).astype(jnp.float32)
-  which = jnp.clip(jnp.floor(confidence * bins).astype(jnp.int32), 0, bins - 1)
-  gaps = jax.ops.segment_sum(correct - confidence, which, num_segments=bins)
-  nll = -jnp.mean(jnp.take_along_axis(log_probs, y[:, None], axis=1)[:, 0])
-  return {"accuracy": jnp.mean(correct), "nll": nll, "ece": jnp.sum(jnp.abs(gaps)) / y.shape[0]}
+  """Accuracy, mean negative log-likelihood and expected calibration error (``bins`` equal bins) of ``(n,
+  classes)`` log-probabilities against labels ``y``: :mod:`cola_jax.sampling`'s."""
+  return {
+    "accuracy": sampling.accuracy(log_probs, y),
+    "nll": sampling.negative_log_likelihood(log_probs, y),
+    "ece": sampling.expected_calibration_error(log_probs, y, num_bins=bins),
+  }
