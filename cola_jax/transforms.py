@@ -390,7 +390,7 @@ def cola_ud(
 
   def zero_momentum(c, p):
     m = c.zero_momentum(p)
-    return m if momentum_dtype is None else m.astype(momentum_dtype)
+    return m if momentum_dtype is None else jax.tree.map(lambda a: a.astype(momentum_dtype), m)
 
   def init_fn(params):
     count = jnp.zeros([], jnp.int32)
@@ -431,10 +431,11 @@ def cola_ud(
     noises = leaves.noises(splitting.draw, leaf_keys, points, grad_leaves, taken)
 
     def leaf_step(c, param, point, grad, stored, noise):
-      momentum = c.load_momentum(stored.astype(param.dtype))
+      momentum = c.load_momentum(jax.tree.map(lambda a: a.astype(param.dtype), stored))
       point, momentum = splitting.step(c, point, momentum, grad, h, decay, first=first, temperature=tau, noises=noise)
       new_param, new_aux = c.unpack(point, param)
-      return new_param, new_aux, c.store_momentum(momentum, param).astype(stored.dtype)
+      new_stored = c.store_momentum(momentum, param)
+      return new_param, new_aux, jax.tree.map(lambda a, b: a.astype(b.dtype), new_stored, stored)
 
     new_params, new_auxes, new_momenta = leaves.map(
       3,
