@@ -25,6 +25,7 @@ GROUPS = {  # section title -> the modules (prefixes of ``__module__``) whose pu
   "Initialisation and diagnostics": ("cola_jax.initialization", "cola_jax.diagnostics"),
   "The Langevin steps": ("cola_jax.langevin",),
   "Checking a constraint": ("cola_jax.testing",),
+  "Guards for a constraint's own factorisations": ("cola_jax._platform",),
 }
 MORE = "More"
 # Classes whose methods are part of what a user calls or implements; the others show their docstring only.
