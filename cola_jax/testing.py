@@ -191,14 +191,12 @@ class _Check:
     self.check_eager(x, sample)
     self.check_nan(sample)
 
-  # What is computed, compiled once.
-
   def check_structure(self, x, k_vector):
     """The protocol's shapes: the ambient vectors, the gradient and the stored momentum fit the point."""
     c = self.c
     prop = "protocol shapes"
     with self.calling(prop, "init, point, ambient_normal"):
-      q, v = jax.eval_shape(lambda x: _point_and_vector(c, x, k_vector), x)
+      _, v = jax.eval_shape(lambda x: _point_and_vector(c, x, k_vector), x)
     with self.calling(prop, "ambient_gradient"):
       gradient = jax.eval_shape(lambda x: c.ambient_gradient(_point_and_vector(c, x, k_vector)[0], x), x)
     if not _same_shapes(gradient, v):
@@ -216,6 +214,8 @@ class _Check:
         f"load_momentum(zero_momentum(x)) has shapes {_shapes(loaded)} where cotangent(q, v) has "
         f"{_shapes(coordinates)}: zero_momentum (or load_momentum) does not give a momentum",
       )
+
+  # What is computed, compiled once.
 
   def sample(self, x, k_vector):
     c = self.c
