@@ -4,8 +4,9 @@ The ball by slack, ``|x_j|^2 + s_j^2 = r^2`` for every row ``x_j`` of the leaf w
 (shaped ``(rows, 1)``, not like the leaf): ``init``, ``point``, ``unpack`` and ``ambient_gradient`` beside the two
 methods every constraint writes, and a residual. Every momentum default (``zero_momentum`` included) follows the
 point's structure, so it passes ``check_constraint`` in float32 and float64, trains under ``cola_od``, ``cola_ud``
-with noise and ``constrained(adam)`` with every row in the ball, and ``check_constraint`` names the method a broken
-slack constraint gets wrong.
+with noise and ``constrained(adam)`` with every row in the ball, samples the sphere's surface measure, and
+``check_constraint`` names the method a broken slack constraint gets wrong. ``NonNegative``, a shipped slack
+constraint, leaves a start below 0 (where no force reaches its slack) for a positive target.
 """
 
 import dataclasses
@@ -192,3 +193,26 @@ def test_non_negative_leaves_a_start_below_zero_for_a_positive_target(tx):
   (w, state), _ = jax.jit(lambda w: jax.lax.scan(step, (w, tx.init(w)), length=300))(start)
   np.testing.assert_allclose(w, target, atol=1e-3)
   assert float(cola.constraint_residuals(w, state)) <= 1e-6
+
+
+def _share_within_half_radius(rows: int, steps: int) -> float:
+  """P(|x| < r / 2) over a noisy run without a loss, one chain per row of a (rows, 1) leaf."""
+  tx = cola.cola_ud(0.1, friction=1.0, temperature=1.0, key=jax.random.key(4), constraints=BALL, splitting="BAOAB")
+
+  def step(carry, _):
+    w, state = carry
+    updates, state = tx.update(jnp.zeros_like(w), state, w)
+    return (w + updates, state), w[:, 0]
+
+  start = jnp.zeros((rows, 1))
+  _, xs = jax.jit(lambda w: jax.lax.scan(step, (w, tx.init(w)), length=steps))(start)
+  later = np.asarray(xs[steps // 5 :: 10])  # after a burn-in, one sample per unit of time
+  return float(np.mean(np.abs(later) < 0.25))
+
+
+@pytest.mark.parametrize(
+  ("rows", "steps", "within"), [(500, 600, 0.03), pytest.param(4000, 1500, 0.01, marks=pytest.mark.slow)]
+)
+def test_the_tuple_point_samples_the_sphere_s_surface_measure(rows, steps, within):
+  """Without a loss (x, s) is uniform on the circle of radius r: x has the arcsine law, P(|x| < r / 2) = 1/3."""
+  assert abs(_share_within_half_radius(rows, steps) - 1 / 3) < within
