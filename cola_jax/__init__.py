@@ -4,7 +4,7 @@ Leimkuhler, Pouchon, Vlaar, Storkey, *Constraint-Based Regularization of Neural
 Networks*, OPT2020.
 """
 
-from cola_jax import langevin, testing
+from cola_jax import langevin, sampling, testing
 from cola_jax._platform import one_matrix_at_a_time
 from cola_jax.alias import (
   c_cola_od,
@@ -92,6 +92,7 @@ __all__ = [
   "orthogonal_constraints",
   "path_constraints",
   "project_params",
+  "sampling",
   "sgd_momentum_to_langevin",
   "testing",
   "with_constraint",

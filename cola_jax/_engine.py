@@ -1,19 +1,26 @@
-"""The per-leaf engine of every transform: leaves, their constraints, checks, groups, keys and geometry calls.
+"""The driver of every transform: the prologue and epilogue of an update, around the transform's rule.
 
-A transform builds a :class:`Leaves` from the parameters it is given and is
-then its update rule alone: the engine assigns each leaf its constraint
-(``free=`` leaves included), checks the gradients and the state against the
-parameters (errors name the argument and the leaf's path, as in
+A transform (``cola_od``, ``cola_ud``, ``constrained``, ``manifold_muon``, the
+samplers) builds one :class:`Driver` and is then its update rule alone. The
+driver resolves the constraint spec once per tree structure (at ``init``: a
+default's warning fires once), assigns each leaf its constraint (``free=``
+leaves included), checks the gradients and the state against the parameters
+(errors name the argument and the leaf's path, as in
 ``grads['layer0']['w']``, at trace time: nothing is added to the compiled
-step), gives each leaf its PRNG key, re-establishes each leaf's point on its
-manifold once (after its gradient: :func:`~cola_jax._platform.computed_after`),
-draws the leaves' noise from those points and maps a step over the leaves.
+step), gives each leaf its PRNG key, re-establishes each stepped leaf's point
+on its manifold once, after its gradient
+(:func:`~cola_jax._platform.computed_after`), draws the leaves' noise from
+those points, maps the rule over the leaves and returns the updates and the
+leaves' constraint states.
 
 Every state a transform makes holds its leaves' constraint states in a field
 named :data:`CONSTRAINT_STATES`, which :func:`~cola_jax.constraint_residuals`
-finds in any optimizer state (:func:`holds_constraint_states`).
+finds in any optimizer state (:func:`holds_constraint_states`); each reports
+its residual through its constraint's :meth:`~cola_jax.Constraint.residual`,
+whatever the constraint's ``init`` returns.
 """
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -51,14 +58,40 @@ def _is_constraint_leaf(x) -> bool:
   return x is None or isinstance(x, Constraint)
 
 
-class Leaves:
-  """The leaves of a parameter tree, their paths and constraints, and the per-leaf work of a transform.
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["aux"], meta_fields=["constraint"])
+@dataclasses.dataclass(frozen=True)
+class LeafState:
+  """A leaf's constraint state as the transforms keep it when the state cannot name its residual itself.
 
-  ``check(path, constraint)``, if given, raises for a constraint the
-  transform does not step.
+  A constraint's :meth:`~cola_jax.Constraint.init` may return any pytree of
+  arrays (a tuple of slacks, say); the driver keeps such a state beside its
+  constraint (static, part of the tree structure), so that
+  :func:`~cola_jax.constraint_residuals` reaches ``constraint.residual(param,
+  aux)``. States that have a ``residual`` method (:class:`~cola_jax.ConstraintState`,
+  the built-ins') are kept as they are.
   """
 
-  def __init__(self, owner: str, spec: ConstraintSpec, params, check: Callable[[str, Constraint], None] | None = None):
+  aux: Any
+  constraint: Constraint
+
+  def residual(self, param: jax.Array) -> jax.Array:
+    return self.constraint.residual(param, self.aux)
+
+
+def _kept(constraint: Constraint, aux):
+  """``aux`` as the transforms' states keep it (see :class:`LeafState`)."""
+  return aux if aux is None or hasattr(aux, "residual") else LeafState(aux, constraint)
+
+
+def _given(aux):
+  """The constraint's own state of a kept one."""
+  return aux.aux if isinstance(aux, LeafState) else aux
+
+
+class Leaves:
+  """The leaves of a parameter tree: their paths, arrays (and compute arrays) and constraints."""
+
+  def __init__(self, owner: str, params):
     if params is None:
       raise ValueError(
         f"{owner}: update() needs the current parameters: call "
@@ -69,43 +102,15 @@ class Leaves:
     paths_and_leaves, self.treedef = jax.tree_util.tree_flatten_with_path(params)
     self.paths = [jax.tree_util.keystr(path) for path, _ in paths_and_leaves]
     self.params = [self._array(leaf, "params", path) for path, (_, leaf) in zip(self.paths, paths_and_leaves)]
-    self.constraints = self._assign(spec, params)
-    if check is not None:
-      for path, c in zip(self.paths, self.constraints):
-        check(path, c)
+    self.constraints: list[Constraint] = []
     # The geometry runs in at least float32 (float64 stays float64); updates
     # are returned in each parameter's own dtype.
     self.compute = [p.astype(jnp.promote_types(p.dtype, jnp.float32)) for p in self.params]
 
-  def _assign(self, spec, params) -> list[Constraint]:
-    if is_function(spec):
-      spec = spec(params)
-    try:
-      full = jax.tree.broadcast(spec, params, is_leaf=_is_constraint_leaf)
-      assigned = self.treedef.flatten_up_to(full)
-    except ValueError as error:
-      raise ValueError(
-        f"{self.owner}: constraints must be a Constraint, None, or a pytree "
-        f"prefix of the parameters with Constraint or None leaves.\n{error}"
-      ) from None
-    constraints = []
-    for path, param, constraint in zip(self.paths, self.params, assigned):
-      if constraint is None:
-        constraint = _EUCLIDEAN
-      if not isinstance(constraint, Constraint):
-        raise TypeError(
-          f"{self.owner}: the constraint for the leaf at {path} is "
-          f"{constraint!r}; expected a cola_jax Constraint or None."
-        )
-      if not jnp.issubdtype(param.dtype, jnp.floating):
-        raise TypeError(
-          f"{self.owner}: the leaf at {path} has dtype {param.dtype}; parameters must be floating point (params{path})."
-        )
-      constraint.validate(param, path)
-      # A leaf without entries has nothing to move or constrain: it passes
-      # as under optax.sgd (and reports no residual).
-      constraints.append(_EUCLIDEAN if param.size == 0 else constraint)
-    return constraints
+  @property
+  def signature(self) -> tuple:
+    """What the constraints assigned to these leaves depend on: the tree structure, shapes and dtypes."""
+    return self.treedef, tuple((p.shape, p.dtype) for p in self.params)
 
   def flatten(self, tree, what: str) -> list:
     """The subtrees of ``tree`` at the parameters' leaves, or a clear error."""
@@ -153,28 +158,25 @@ class Leaves:
       leaves.append(g.astype(p.dtype))
     return leaves
 
-  def initial_states(self) -> list:
-    """Each leaf's constraint state for a new run, compiled as one program."""
-    return _compiled.call(initial_auxes, (tuple(self.constraints),), self.compute)
+  def kept(self, auxes: list):
+    """The leaves' constraint states as a transform's state keeps them, as a tree (see :class:`LeafState`)."""
+    return self.unflatten([_kept(c, aux) for c, aux in zip(self.constraints, auxes)])
 
-  def constraint_states(self, state) -> list:
-    """The leaves' constraint states in ``state``, checked against the parameters and their constraints."""
-    auxes = self.flatten(getattr(state, CONSTRAINT_STATES), f"state.{CONSTRAINT_STATES}")
-    self._check(auxes, [None] * len(auxes))
-    return auxes
-
-  def constraint_states_and_momenta(self, state, skip: list[bool]) -> tuple[list, list]:
-    """As :meth:`constraint_states`, and each leaf's stored momentum in ``state.momentum``, checked too.
+  def constraint_states(self, tree, momentum_tree=None, skip: list[bool] | None = None) -> tuple[list, list | None]:
+    """The leaves' own constraint states in ``tree`` and their momenta in ``momentum_tree``, checked.
 
     A leaf that ``skip`` names has no momentum (None).
     """
-    auxes = self.flatten(getattr(state, CONSTRAINT_STATES), f"state.{CONSTRAINT_STATES}")
-    momenta = [None if s else m for m, s in zip(self.flatten(state.momentum, "state.momentum"), skip)]
-    self._check(auxes, momenta)
-    return auxes, momenta
+    kept = self.flatten(tree, f"state.{CONSTRAINT_STATES}")
+    momenta = None
+    if momentum_tree is not None:
+      skip = skip or [False] * len(kept)
+      momenta = [None if s else m for m, s in zip(self.flatten(momentum_tree, "state.momentum"), skip)]
+    self._check(kept, momenta or [None] * len(kept))
+    return [_given(aux) for aux in kept], momenta
 
-  def _check(self, auxes: list, momenta: list) -> None:
-    for path, p, constraint, aux, momentum in zip(self.paths, self.compute, self.constraints, auxes, momenta):
+  def _check(self, kept: list, momenta: list) -> None:
+    for path, p, constraint, aux, momentum in zip(self.paths, self.compute, self.constraints, kept, momenta):
       structure, shapes = _expected(constraint, "init", p.shape, p.dtype)
       if jax.tree.structure(aux) != structure:
         raise ValueError(
@@ -193,44 +195,6 @@ class Leaves:
             f"{want}: the state was initialised for parameters of other shapes. "
             "Re-initialise the optimizer when parameters change."
           )
-
-  def keys(self, key, noisy: bool) -> tuple[Any, jax.Array | None]:
-    """(the next key, one key per leaf in one array), or (key, None) when no noise is drawn.
-
-    One array: a group's keys are then one gather, not a slice per leaf.
-    """
-    if not noisy:
-      return key, None
-    key, step_key = jax.random.split(key)
-    return key, jax.random.split(step_key, len(self.params))
-
-  def points(self, auxes: list, grads: list, skip: list[bool]) -> list:
-    """Each leaf's point on its manifold (None where ``skip``), computed after its gradient."""
-
-    def point(c, param, aux, grad):
-      return c.point(*computed_after(grad, (param, aux)))
-
-    (points,) = self.map(1, lambda *a: (point(*a),), skip, (None,), self.compute, auxes, grads)
-    return points
-
-  def noises(self, draw: Callable, keys: jax.Array | None, points: list, grads: list, skip: list[bool]) -> list:
-    """Each leaf's numbers ``draw(constraint, key, point)`` from its own key ``keys[i]``; None where none is drawn.
-
-    A leaf that ``skip`` names (one that ``free=`` moves) draws none. The
-    points are read for their shapes, dtypes and shardings only.
-    """
-    noises = [None] * len(self.params)
-    drawn = [i for i, s in enumerate(skip) if not s]
-    if keys is None or not drawn:
-      return noises
-    if len(drawn) < len(noises):
-      keys = keys[np.asarray(drawn)]
-    constraints = [self.constraints[i] for i in drawn]
-    for i, noise in zip(
-      drawn, _step_noise.draw_leaves(draw, constraints, [points[i] for i in drawn], keys, [grads[i] for i in drawn])
-    ):
-      noises[i] = noise
-    return noises
 
   def map(self, n_outputs: int, leaf_step: Callable, skip: list[bool], fill: tuple, *columns):
     """``leaf_step(constraint, *column_entries)`` for every leaf not ``skip``-ped, transposed.
@@ -262,7 +226,7 @@ def initial_auxes(constraints: tuple, compute: list) -> list:
 
 
 def _expected(constraint: Constraint, method: str, shape: tuple, dtype) -> tuple[Any, list[tuple]]:
-  """The tree structure and array shapes of ``constraint.<method>`` of a leaf of this shape and dtype.
+  """The tree structure and array shapes of ``constraint.<method>`` of a leaf of this shape and dtype, as kept.
 
   Traced once per constraint, method, shape and dtype (not at every trace of
   every update), unless a hyperparameter of the constraint is traced.
@@ -281,6 +245,8 @@ def _expected_cached(constraint, method, shape, dtype, widest) -> tuple[Any, lis
 
 def _trace(constraint, method, shape, dtype) -> tuple[Any, list[tuple]]:
   out = jax.eval_shape(getattr(constraint, method), jax.ShapeDtypeStruct(shape, dtype))
+  if method == "init":
+    out = _kept(constraint, out)
   return jax.tree.structure(out), [x.shape for x in jax.tree.leaves(out)]
 
 
@@ -327,3 +293,189 @@ class Free:
     )
     taken = self.taken(leaves)
     return [u if t else None for u, t in zip(leaves.flatten(updates, "free's updates"), taken)], state
+
+
+@dataclasses.dataclass
+class Update:
+  """One update's leaves as the :class:`Driver` hands them to a transform's rule: lists, one entry per leaf.
+
+  ``stepped`` says which leaves the rule steps; the others (``free=``'s, or the
+  free leaves of a transform whose inner optimizer moves them) have no point,
+  momentum or noise (None).
+  """
+
+  leaves: Leaves
+  grads: list
+  auxes: list
+  momenta: list | None
+  stepped: list[bool]
+  points: list
+  noises: list
+  next_key: Any
+  free_updates: list
+  free_state: Any
+
+  def map(self, n_outputs: int, leaf_step: Callable, fill: tuple, *columns):
+    """``leaf_step(constraint, *column_entries)`` for every stepped leaf, transposed (``fill`` at the others)."""
+    return self.leaves.map(n_outputs, leaf_step, [not s for s in self.stepped], fill, *columns)
+
+  def finish(self, new_params: list, new_auxes: list, given: list | None = None) -> tuple[Any, Any]:
+    """The updates and the constraint states to keep, as trees.
+
+    ``new_params`` are the new values (None where ``given``'s update, by
+    default ``free=``'s, is taken as it is); ``new_auxes`` the stepped leaves'
+    new constraint states (the others keep theirs).
+    """
+    updates = self.leaves.updates(new_params, self.free_updates if given is None else given)
+    return updates, self.kept(new_auxes)
+
+  def kept(self, new_auxes: list):
+    """The constraint states to keep, as a tree: the stepped leaves' new ones, the others' as they were."""
+    return self.leaves.kept([new if s else old for new, old, s in zip(new_auxes, self.auxes, self.stepped)])
+
+  def values(self, new_params: list):
+    """The new values as a tree, each in its parameter's dtype (a leaf not stepped stays as it was)."""
+    return self.leaves.unflatten(
+      [p if new is None else new.astype(p.dtype) for new, p in zip(new_params, self.leaves.params)]
+    )
+
+
+class Driver:
+  """The per-leaf machinery of one transform, which its rule runs inside.
+
+  Args:
+    owner: the name errors and warnings give (``caller``'s).
+    constraints: the constraint spec (a ``Constraint``, None, a pytree prefix,
+      or a callable of the parameters), resolved once per tree structure,
+      shapes and dtypes.
+    free: ``free=``, the optax transformation of the unconstrained leaves, or None.
+    steps_free_leaves: whether the rule steps the unconstrained leaves that
+      ``free`` does not take (the CoLA methods' SGD steps), or leaves them to
+      the rule's ``given`` updates (an inner optimizer's).
+    check: ``check(path, constraint)`` raises for a constraint the transform does not step.
+  """
+
+  def __init__(
+    self,
+    owner: str,
+    constraints: ConstraintSpec,
+    *,
+    free: optax.GradientTransformation | None = None,
+    steps_free_leaves: bool = True,
+    check: Callable[[str, Constraint], None] | None = None,
+  ):
+    self.owner = owner
+    self.spec = constraints
+    self.free = Free(owner, free)
+    self.steps_free_leaves = steps_free_leaves
+    self.check = check
+    self._resolved: dict = {}
+
+  def leaves(self, params) -> Leaves:
+    """The leaves of ``params`` with their constraints, resolved the first time this structure is seen."""
+    leaves = Leaves(self.owner, params)
+    try:
+      constraints = self._resolved.get(leaves.signature)
+    except TypeError:  # an unhashable tree structure
+      constraints = None
+    if constraints is None:
+      constraints = self._assign(leaves, params)
+      try:
+        hash(tuple(constraints))  # a traced hyperparameter is not kept beyond this trace
+        self._resolved[leaves.signature] = constraints
+      except TypeError:
+        pass
+    leaves.constraints = list(constraints)
+    return leaves
+
+  def _assign(self, leaves: Leaves, params) -> list[Constraint]:
+    spec = self.spec(params) if is_function(self.spec) else self.spec
+    try:
+      full = jax.tree.broadcast(spec, params, is_leaf=_is_constraint_leaf)
+      assigned = leaves.treedef.flatten_up_to(full)
+    except ValueError as error:
+      raise ValueError(
+        f"{self.owner}: constraints must be a Constraint, None, or a pytree "
+        f"prefix of the parameters with Constraint or None leaves.\n{error}"
+      ) from None
+    constraints = []
+    for path, param, constraint in zip(leaves.paths, leaves.params, assigned):
+      if constraint is None:
+        constraint = _EUCLIDEAN
+      if not isinstance(constraint, Constraint):
+        raise TypeError(
+          f"{self.owner}: the constraint for the leaf at {path} is "
+          f"{constraint!r}; expected a cola_jax Constraint or None."
+        )
+      if not jnp.issubdtype(param.dtype, jnp.floating):
+        raise TypeError(
+          f"{self.owner}: the leaf at {path} has dtype {param.dtype}; parameters must be floating point (params{path})."
+        )
+      constraint.validate(param, path)
+      # A leaf without entries has nothing to move or constrain: it passes
+      # as under optax.sgd (and reports no residual).
+      constraint = _EUCLIDEAN if param.size == 0 else constraint
+      if self.check is not None:
+        self.check(path, constraint)
+      constraints.append(constraint)
+    return constraints
+
+  def stepped(self, leaves: Leaves) -> list[bool]:
+    """Per leaf: whether the rule steps it."""
+    return [
+      not taken and (self.steps_free_leaves or not free) for taken, free in zip(self.free.taken(leaves), leaves.free)
+    ]
+
+  def initial_states(self, leaves: Leaves):
+    """The leaves' constraint states for a new run, as kept (a tree), compiled as one program."""
+    return leaves.kept(_compiled.call(initial_auxes, (tuple(leaves.constraints),), leaves.compute))
+
+  def begin(
+    self,
+    grads,
+    params,
+    constraint_states,
+    *,
+    momentum=None,
+    free_state=None,
+    key=None,
+    draw: Callable | None = None,
+    extra_args: dict | None = None,
+  ) -> Update:
+    """Everything an update's rule starts from: the checked leaves, their points and noise, ``free``'s update.
+
+    ``momentum``: the state's momenta (checked at the stepped leaves).
+    ``key`` and ``draw``: the step's key and each leaf's draw,
+    ``draw(constraint, key, point)``; without either no noise is drawn and
+    the key passes on unchanged.
+    """
+    leaves = self.leaves(params)
+    grad_leaves = leaves.gradients(grads)
+    stepped = self.stepped(leaves)
+    skip = [not s for s in stepped]
+    auxes, momenta = leaves.constraint_states(constraint_states, momentum, skip)
+    free_updates, free_state = self.free.update(leaves, grads, free_state, params, extra_args or {})
+
+    def point(c, param, aux, grad):
+      return (c.point(*computed_after(grad, (param, aux))),)
+
+    (points,) = leaves.map(1, point, skip, (None,), leaves.compute, auxes, grad_leaves)
+    noises: list = [None] * len(points)
+    next_key = key
+    if key is not None and draw is not None:
+      next_key, step_key = jax.random.split(key)
+      drawn = [i for i, s in enumerate(stepped) if s]
+      if drawn:
+        keys = jax.random.split(step_key, len(points))  # one key per leaf, one array: a group's keys are one gather
+        if len(drawn) < len(points):
+          keys = keys[np.asarray(drawn)]
+        draws = _step_noise.draw_leaves(
+          draw,
+          [leaves.constraints[i] for i in drawn],
+          [points[i] for i in drawn],
+          keys,
+          [grad_leaves[i] for i in drawn],
+        )
+        for i, noise in zip(drawn, draws):
+          noises[i] = noise
+    return Update(leaves, grad_leaves, auxes, momenta, stepped, points, noises, next_key, free_updates, free_state)

@@ -17,11 +17,12 @@ a retraction that exists for every finite step. Unconstrained leaves get
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import optax
 
 from cola_jax import _compiled
-from cola_jax._engine import Leaves, check_state_type, initial_auxes
+from cola_jax._engine import Driver, check_state_type, initial_auxes
 from cola_jax._hyperparameters import caller
 from cola_jax._tree import NOT_PARAMS, ConstraintSpec, is_params_placeholder, without_variables
 from cola_jax.constraints.base import Constraint, Euclidean
@@ -50,21 +51,16 @@ def _tangent(c: Constraint, point, vector, param):
   return c.store_momentum(c.cotangent(point, c.ambient_gradient(point, vector)), param)
 
 
-def _points(constraints: Sequence, compute: list, auxes: list) -> list:
-  """Each constrained leaf's point on its manifold (re-established from the parameter); None for free leaves."""
-  return [None if isinstance(c, Euclidean) else c.point(p, aux) for c, p, aux in zip(constraints, compute, auxes)]
-
-
 def _seen_params(constraints: Sequence, points: list, compute: list, params: list) -> list:
   """The leaves as ``inner`` sees them: free leaves as given, constrained ones as their tangent projections."""
   return [param if q is None else _tangent(c, q, p, p) for c, q, p, param in zip(constraints, points, compute, params)]
 
 
-def _initial_state(inner, constraints: tuple, treedef, compute: list, params: list) -> "ConstrainedState":
-  """The state of :func:`constrained` for these leaves (compiled as one program by its ``init``)."""
+def _initial_state(inner, constraints: tuple, treedef, compute: list, params: list) -> tuple[Any, list]:
+  """``inner``'s state for these leaves and their constraint states (compiled as one program by ``init``)."""
   auxes = initial_auxes(constraints, compute)
-  seen = _seen_params(constraints, _points(constraints, compute, auxes), compute, params)
-  return ConstrainedState(inner_state=inner.init(treedef.unflatten(seen)), constraint_states=treedef.unflatten(auxes))
+  points = [None if isinstance(c, Euclidean) else c.point(p, aux) for c, p, aux in zip(constraints, compute, auxes)]
+  return inner.init(treedef.unflatten(_seen_params(constraints, points, compute, params))), auxes
 
 
 def _retract(c: Constraint, point, coordinates, retraction: str):
@@ -208,43 +204,42 @@ def riemannian(
   gradient (in its momentum coordinates) before ``inner`` sees it.
   """
   inner = optax.with_extra_args_support(inner)
+  driver = Driver(owner, constraints, steps_free_leaves=False, check=check)
 
   def init_fn(params):
     if is_params_placeholder(params):  # optax.tree.map_params: inner's state says which fields copy the parameters
       return ConstrainedState(inner_state=inner.init(params), constraint_states=NOT_PARAMS)
-    leaves = Leaves(owner, constraints, without_variables(params), check)
+    leaves = driver.leaves(without_variables(params))
     # One program, in which XLA drops the tangent projections that inner's init does not read.
-    return _compiled.call(
+    inner_state, auxes = _compiled.call(
       _initial_state, (inner, tuple(leaves.constraints), leaves.treedef), leaves.compute, leaves.params
     )
+    return ConstrainedState(inner_state=inner_state, constraint_states=leaves.kept(auxes))
 
   def update_fn(grads, state, params=None, **extra_args):
     check_state_type(owner, state, ConstrainedState)
-    leaves = Leaves(owner, constraints, params, check)
-    grad_leaves = leaves.gradients(grads)
-    auxes = leaves.constraint_states(state)
-    points = _points(leaves.constraints, leaves.compute, auxes)
+    update = driver.begin(grads, params, state.constraint_states)
+    leaves = update.leaves
     seen_grads = []
-    for c, q, g, grad, p in zip(
-      leaves.constraints, points, grad_leaves, leaves.flatten(grads, "grads"), leaves.compute
-    ):
+    given = leaves.flatten(grads, "grads")
+    for c, q, g, grad, p in zip(leaves.constraints, update.points, update.grads, given, leaves.compute):
       if q is None:
         seen_grads.append(grad)
         continue
       seen = c.store_momentum(c.projected_gradient(q, g), p)
       seen_grads.append(seen if direction is None else direction(c, seen))
-    seen_params = _seen_params(leaves.constraints, points, leaves.compute, leaves.params)
+    seen_params = _seen_params(leaves.constraints, update.points, leaves.compute, leaves.params)
     inner_updates, inner_state = inner.update(
       leaves.unflatten(seen_grads), state.inner_state, leaves.unflatten(seen_params), **extra_args
     )
 
     def leaf_step(c, q, u, p):
-      coordinates = c.load_momentum(jnp.asarray(u).astype(p.dtype))
+      coordinates = c.load_momentum(jax.tree.map(lambda a: jnp.asarray(a).astype(p.dtype), u))
       return c.unpack(_retract(c, q, coordinates, retraction), p)
 
-    updates = leaves.flatten(inner_updates, "the inner transformation's updates")
-    new_params, new_auxes = leaves.map(2, leaf_step, leaves.free, (None, None), points, updates, leaves.compute)
-    new_auxes = [aux if free else new for aux, new, free in zip(auxes, new_auxes, leaves.free)]
-    return leaves.updates(new_params, updates), ConstrainedState(inner_state, leaves.unflatten(new_auxes))
+    inner_leaves = leaves.flatten(inner_updates, "the inner transformation's updates")
+    new_params, new_auxes = update.map(2, leaf_step, (None, None), update.points, inner_leaves, leaves.compute)
+    updates, constraint_states = update.finish(new_params, new_auxes, given=inner_leaves)
+    return updates, ConstrainedState(inner_state, constraint_states)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]

@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from cola_jax._engine import Leaves
+from cola_jax._engine import Driver
 from cola_jax._tree import ConstraintSpec
 
 
@@ -45,7 +45,7 @@ def project_params(params: Any, constraints: ConstraintSpec) -> Any:
     {'b': Array([ 0.99, -0.5 ], dtype=float32), 'free': Array([1., 1.], dtype=float32),
      'w': Array([[1., 0.], [0., 1.]], dtype=float32)}
   """
-  leaves = Leaves("project_params", constraints, params)
+  leaves = Driver("project_params", constraints).leaves(params)
   return leaves.unflatten(
     [c.nearest(p).astype(param.dtype) for c, p, param in zip(leaves.constraints, leaves.compute, leaves.params)]
   )

@@ -16,13 +16,10 @@ Manifolds" (Bernstein, Thinking Machines, 2025) calls manifold Muon. How
 ``A`` is found, and the certificate of its optimality, is in
 :mod:`cola_jax.stiefel_direction`.
 
-On XLA:CPU, under ``jax.vmap`` a step loops over the models (seeds), each
-leaf's direction and retraction one model at a time
-(:func:`~cola_jax._platform.one_matrix_at_a_time`): jaxlib 0.10.2's batched
-CPU LAPACK kernels block the pool threads their own tasks need, and a step
-over two seeds of a 784-128-64-10 MLP deadlocked (one leaf's ADMM ``eigh``
-and another's ``svd``). A model's result under ``vmap`` is its unbatched
-step's, to float32 rounding.
+Under ``jax.vmap`` on XLA:CPU, each factorisation of a step (the direction's
+``eigh``, the retraction's) runs one model at a time, as everywhere in
+cola_jax (:func:`~cola_jax._platform.one_matrix_at_a_time`): a model's result
+under ``vmap`` is its unbatched step's, to float32 rounding.
 
 References:
   Bernstein, *Modular Manifolds*, Thinking Machines Lab: Connectionism, 2025
@@ -31,7 +28,6 @@ References:
   2024.
 """
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -39,9 +35,8 @@ import jax.numpy as jnp
 import optax
 
 from cola_jax._default_leaves import weight_matrices
-from cola_jax._engine import Leaves, check_state_type
+from cola_jax._engine import Driver, check_state_type
 from cola_jax._hyperparameters import caller, check_nonnegative, check_positive, check_positive_integer
-from cola_jax._platform import one_matrix_at_a_time
 from cola_jax._tree import NOT_PARAMS, ConstraintSpec, is_params_placeholder, without_variables
 from cola_jax.constraints.base import Euclidean
 from cola_jax.constraints.orthogonal import Orthogonal
@@ -161,59 +156,54 @@ def manifold_muon(
         "cola.constrained(optax.contrib.muon(...), constraints=...)."
       )
 
+  driver = Driver(owner, constraints, steps_free_leaves=False, check=orthogonal_or_free)
+
   def init_fn(params):
     count = jnp.zeros([], jnp.int32)
     if is_params_placeholder(params):  # optax.tree.map_params: the momenta are the copy of the parameters
       return ManifoldMuonState(count, momentum=params, constraint_states=NOT_PARAMS, direction_info=NOT_PARAMS)
-    leaves = Leaves(owner, constraints, without_variables(params), orthogonal_or_free)
+    leaves = driver.leaves(without_variables(params))
     infos = [
       None if free else DirectionInfo(jnp.zeros((), jnp.int32), jnp.array(True), jnp.zeros(())) for free in leaves.free
     ]
     return ManifoldMuonState(
       count,
       momentum=leaves.unflatten([jnp.zeros_like(p) for p in leaves.params]),
-      constraint_states=leaves.unflatten(leaves.initial_states()),
+      constraint_states=driver.initial_states(leaves),
       direction_info=leaves.unflatten(infos),
     )
-
-  def leaf_step(c, p, aux, d, eta):
-    """An ``Orthogonal`` leaf ``p`` stepped along ``d``: its new value and constraint state, its direction's info."""
-    point = c.point(p, aux)
-    # The tangent space at Q = scale U is U's: the direction is found for U (Orthogonal's scale).
-    w, ambient = point.matrix / c.scale, c.ambient_gradient(point, d)
-    direction = lambda w, g: steepest_tangent_direction(w, g, tolerance=tolerance, max_iterations=max_iterations)
-    a, info = direction(w, ambient) if w.ndim == 2 else jax.vmap(direction)(w, ambient)
-    new_param, new_aux = c.unpack(c.retract(point, -eta * c.cotangent(point, a)), p)
-    return new_param, new_aux, DirectionInfo(jnp.max(info.iterations), jnp.all(info.converged), jnp.max(info.gap))
 
   def update_fn(grads, state, params=None, **extra_args):
     del extra_args
     check_state_type(owner, state, ManifoldMuonState)
-    leaves = Leaves(owner, constraints, params, orthogonal_or_free)
-    grad_leaves = leaves.gradients(grads)
-    auxes = leaves.constraint_states(state)
+    update = driver.begin(grads, params, state.constraint_states)
+    leaves = update.leaves
     stored = leaves.flatten(state.momentum, "state.momentum")
     eta = jnp.asarray(learning_rate(state.count) if callable(learning_rate) else learning_rate)
     momenta = [
-      momentum * m.astype(p.dtype) + (1 - momentum) * g for m, p, g in zip(stored, leaves.compute, grad_leaves)
+      momentum * m.astype(p.dtype) + (1 - momentum) * g for m, p, g in zip(stored, leaves.compute, update.grads)
     ]
-    directions = [momentum * m + (1 - momentum) * g if nesterov else m for m, g in zip(momenta, grad_leaves)]
+    directions = [momentum * m + (1 - momentum) * g if nesterov else m for m, g in zip(momenta, update.grads)]
 
-    def orthogonal_step(c, p, aux, d):
-      return one_matrix_at_a_time(functools.partial(leaf_step, c))(p, aux, d, eta)
+    def leaf_step(c, p, point, d):
+      # The tangent space at Q = scale U is U's: the direction is found for U (Orthogonal's scale).
+      w, ambient = point.matrix / c.scale, c.ambient_gradient(point, d)
+      direction = lambda w, g: steepest_tangent_direction(w, g, tolerance=tolerance, max_iterations=max_iterations)
+      a, info = direction(w, ambient) if w.ndim == 2 else jax.vmap(direction)(w, ambient)
+      new_param, new_aux = c.unpack(c.retract(point, -eta * c.cotangent(point, a)), p)
+      return new_param, new_aux, DirectionInfo(jnp.max(info.iterations), jnp.all(info.converged), jnp.max(info.gap))
 
-    new_params, new_auxes, infos = leaves.map(
-      3, orthogonal_step, leaves.free, (None, None, None), leaves.compute, auxes, directions
+    new_params, new_auxes, infos = update.map(
+      3, leaf_step, (None, None, None), leaves.compute, update.points, directions
     )
     new_params = [
       p - eta * d if free else new for p, d, new, free in zip(leaves.compute, directions, new_params, leaves.free)
     ]
-    new_auxes = [aux if free else new for aux, new, free in zip(auxes, new_auxes, leaves.free)]
-    momenta = [m.astype(old.dtype) for m, old in zip(momenta, stored)]
-    return leaves.updates(new_params), ManifoldMuonState(
+    updates, constraint_states = update.finish(new_params, new_auxes)
+    return updates, ManifoldMuonState(
       jnp.asarray(optax.safe_increment(state.count)),
-      leaves.unflatten(momenta),
-      leaves.unflatten(new_auxes),
+      leaves.unflatten([m.astype(old.dtype) for m, old in zip(momenta, stored)]),
+      constraint_states,
       leaves.unflatten(infos),
     )
 

@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from cola_jax import langevin
-from cola_jax._engine import Free, Leaves, check_state_type
+from cola_jax import _rules
+from cola_jax._engine import Driver, check_state_type
 from cola_jax._hyperparameters import caller, check_floating_dtype, check_nonnegative, check_positive
 from cola_jax._numerics import concrete_float, is_prng_key
 from cola_jax._tree import NOT_PARAMS, ConstraintSpec, is_params_placeholder, without_variables
@@ -206,44 +206,41 @@ def cola_od(
   """
   owner = caller("cola_od")
   noisy = _check_hyperparameters(owner, learning_rate, temperature, key)
-  free_tx = Free(owner, free)
+  driver = Driver(owner, constraints, free=free)
 
   def init_fn(params):
     count = jnp.zeros([], jnp.int32)
     if is_params_placeholder(params):  # optax.tree.map_params: free's state says which fields copy the parameters
-      return OverdampedState(count, key=key, constraint_states=NOT_PARAMS, free_state=free_tx.init(params, None))
+      return OverdampedState(count, key=key, constraint_states=NOT_PARAMS, free_state=driver.free.init(params, None))
     params = without_variables(params)
-    leaves = Leaves(owner, constraints, params)
+    leaves = driver.leaves(params)
     return OverdampedState(
       count,
       key=key,
-      constraint_states=leaves.unflatten(leaves.initial_states()),
-      free_state=free_tx.init(params, leaves),
+      constraint_states=driver.initial_states(leaves),
+      free_state=driver.free.init(params, leaves),
     )
 
   def update_fn(grads, state, params=None, **extra_args):
     check_state_type(owner, state, OverdampedState)
-    leaves = Leaves(owner, constraints, params)
-    grad_leaves = leaves.gradients(grads)
-    auxes = leaves.constraint_states(state)
-    taken = free_tx.taken(leaves)
-    free_updates, free_state = free_tx.update(leaves, grads, state.free_state, params, extra_args)
+    draw = _rules.overdamped_draw if noisy else None
+    update = driver.begin(
+      grads,
+      params,
+      state.constraint_states,
+      free_state=state.free_state,
+      key=state.key,
+      draw=draw,
+      extra_args=extra_args,
+    )
     h = _step_size_at(learning_rate, state.count)
     noise_scale = jnp.sqrt(2 * _temperature_at(temperature, state.count) * h) if noisy else None
-    next_key, leaf_keys = leaves.keys(state.key, noisy)
-    points = leaves.points(auxes, grad_leaves, taken)
-    draw = lambda c, key, point: langevin.draw_noise(c, key, point, "overdamped")
-    noises = leaves.noises(draw, leaf_keys, points, grad_leaves, taken)
-
-    def leaf_step(c, param, point, grad, noise):
-      return c.unpack(langevin.overdamped_step(c, point, grad, h, noise_scale, noise), param)
-
-    new_params, new_auxes = leaves.map(2, leaf_step, taken, (None, None), leaves.compute, points, grad_leaves, noises)
-    return leaves.updates(new_params, free_updates), OverdampedState(
+    updates, constraint_states = update.finish(*_rules.overdamped(update, h, noise_scale))
+    return updates, OverdampedState(
       count=jnp.asarray(optax.safe_increment(state.count)),
-      key=next_key,
-      constraint_states=leaves.unflatten(new_auxes),
-      free_state=free_state,
+      key=update.next_key,
+      constraint_states=constraint_states,
+      free_state=update.free_state,
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
@@ -386,7 +383,7 @@ def cola_ud(
   noisy = _check_hyperparameters(owner, learning_rate, temperature, key)
   splitting = _splitting(owner, splitting)
   momentum_dtype = check_floating_dtype(owner, "momentum_dtype", momentum_dtype)
-  free_tx = Free(owner, free)
+  driver = Driver(owner, constraints, free=free)
 
   def zero_momentum(c, p):
     m = c.zero_momentum(p)
@@ -396,64 +393,48 @@ def cola_ud(
     count = jnp.zeros([], jnp.int32)
     if is_params_placeholder(params):  # optax.tree.map_params: the momenta (and free's state) copy the parameters
       return UnderdampedState(
-        count, key=key, constraint_states=NOT_PARAMS, momentum=params, free_state=free_tx.init(params, None)
+        count, key=key, constraint_states=NOT_PARAMS, momentum=params, free_state=driver.free.init(params, None)
       )
     params = without_variables(params)
-    leaves = Leaves(owner, constraints, params)
+    leaves = driver.leaves(params)
     momenta = [
-      optax.MaskedNode() if t else zero_momentum(c, p)
-      for c, p, t in zip(leaves.constraints, leaves.compute, free_tx.taken(leaves))
+      zero_momentum(c, p) if stepped else optax.MaskedNode()
+      for c, p, stepped in zip(leaves.constraints, leaves.compute, driver.stepped(leaves))
     ]
     return UnderdampedState(
       count,
       key=key,
-      constraint_states=leaves.unflatten(leaves.initial_states()),
+      constraint_states=driver.initial_states(leaves),
       momentum=leaves.unflatten(momenta),
-      free_state=free_tx.init(params, leaves),
+      free_state=driver.free.init(params, leaves),
     )
 
   def update_fn(grads, state, params=None, **extra_args):
     check_state_type(owner, state, UnderdampedState)
-    leaves = Leaves(owner, constraints, params)
-    grad_leaves = leaves.gradients(grads)
-    taken = free_tx.taken(leaves)
-    auxes, momenta = leaves.constraint_states_and_momenta(state, taken)
-    free_updates, free_state = free_tx.update(leaves, grads, state.free_state, params, extra_args)
+    update = driver.begin(
+      grads,
+      params,
+      state.constraint_states,
+      momentum=state.momentum,
+      free_state=state.free_state,
+      key=state.key,
+      draw=splitting.draw if noisy else None,
+      extra_args=extra_args,
+    )
     if from_sgd:
       h, decay = jnp.sqrt(_step_size_at(learning_rate, state.count)), jnp.asarray(momentum, jnp.float32)
     else:
       h = _step_size_at(learning_rate, state.count)
       decay = jnp.exp(-gamma * h)
     tau = _temperature_at(temperature, state.count) if noisy else None
-    next_key, leaf_keys = leaves.keys(state.key, noisy)
-    first = state.count == 0
-    points = leaves.points(auxes, grad_leaves, taken)
-    noises = leaves.noises(splitting.draw, leaf_keys, points, grad_leaves, taken)
-
-    def leaf_step(c, param, point, grad, stored, noise):
-      momentum = c.load_momentum(jax.tree.map(lambda a: a.astype(param.dtype), stored))
-      point, momentum = splitting.step(c, point, momentum, grad, h, decay, first=first, temperature=tau, noises=noise)
-      new_param, new_aux = c.unpack(point, param)
-      new_stored = c.store_momentum(momentum, param)
-      return new_param, new_aux, jax.tree.map(lambda a, b: a.astype(b.dtype), new_stored, stored)
-
-    new_params, new_auxes, new_momenta = leaves.map(
-      3,
-      leaf_step,
-      taken,
-      (None, None, optax.MaskedNode()),
-      leaves.compute,
-      points,
-      grad_leaves,
-      momenta,
-      noises,
-    )
-    return leaves.updates(new_params, free_updates), UnderdampedState(
+    new_params, new_auxes, new_momenta = _rules.underdamped(update, splitting, h, decay, tau, state.count == 0)
+    updates, constraint_states = update.finish(new_params, new_auxes)
+    return updates, UnderdampedState(
       count=jnp.asarray(optax.safe_increment(state.count)),
-      key=next_key,
-      constraint_states=leaves.unflatten(new_auxes),
-      momentum=leaves.unflatten(new_momenta),
-      free_state=free_state,
+      key=update.next_key,
+      constraint_states=constraint_states,
+      momentum=update.leaves.unflatten(new_momenta),
+      free_state=update.free_state,
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]

@@ -136,6 +136,29 @@ def _from_sgd_momentum(ns):
   assert ns["h"] == pytest.approx(0.1**0.5) and ns["gamma"] == pytest.approx(-jnp.log(0.9) / 0.1**0.5)
 
 
+def _sampling(ns):
+  samples = ns["chain"].samples
+  assert {leaf.shape[0] for leaf in jax.tree.leaves(samples)} == {50}
+  for layer in samples.values():  # every kernel entry on its circle, |w| <= 0.5
+    assert float(jnp.max(jnp.abs(layer["kernel"]))) <= 0.5 * (1 + 1e-6)
+  assert int(ns["chain"].num_steps) == 200 + 50 * 10
+
+
+def _sampling_resumed(ns):
+  assert int(ns["more"].num_steps) == int(ns["chain"].num_steps) + 50 * 10
+
+
+def _sampling_observed(ns):
+  assert ns["observed"].samples.shape == (200,)
+
+
+def _blackjax_sgld(ns):
+  log_probs = ns["free_log_probs"]
+  assert log_probs.shape == (512, 2)
+  assert float(jnp.max(jnp.abs(jax.nn.logsumexp(log_probs, axis=-1)))) < 1e-5  # normalised probabilities
+  assert jax.tree.leaves(ns["free"].samples)[0].shape[:2] == (4, 100)
+
+
 CLAIMS = {  # a line of a block -> the check of what its comments say
   "residuals = cola.constraint_residuals(params, state)": _orthonormal_kernel,
   "residuals = cola.constraint_residuals(state.params, state.opt_state)": _linen,
@@ -150,6 +173,10 @@ CLAIMS = {  # a line of a block -> the check of what its comments say
   "query = model.attention.query.kernel[...]": _attention_per_head,
   "h, gamma = cola.sgd_momentum_to_langevin(0.1, 0.9)": _from_sgd_momentum,
   "ud_loss, adam_loss = loss(ud_params), loss(adam_params)": _custom_constraint,
+  "chain = cola.sampling.sample_chain(step, init(params)": _sampling,
+  "more = cola.sampling.sample_chain(step, chain.state": _sampling_resumed,
+  "observed = run(init(params), jax.random.key(4))": _sampling_observed,
+  "free_log_probs = cola.sampling.posterior_predictive(": _blackjax_sgld,
   "simplex_fits = [fit(tx, simplex_loss, one_hot_start)": _simplex,
   "ball_fits = [": _ball,
 }
@@ -165,8 +192,9 @@ def test_every_claim_names_a_block():
 @pytest.mark.parametrize("page", WITH_CODE, ids=[str(p.relative_to(ROOT)) for p in WITH_CODE])
 def test_page_runs_top_to_bottom(page):
   blocks = _blocks(page)
-  for module in ("flax", "orbax.checkpoint", "equinox"):
-    if any(re.search(rf"^\s*(from|import) {re.escape(module)}\b", b, flags=re.MULTILINE) for b in blocks):
+  for module in ("flax", "orbax.checkpoint", "equinox", "blackjax"):
+    imported = rf"^\s*(from {re.escape(module)}\b|import ([\w.]+( as \w+)?, )*{re.escape(module)}\b)"
+    if any(re.search(imported, b, flags=re.MULTILINE) for b in blocks):
       pytest.importorskip(module)
   namespace = {}
   config = jax.config.values
@@ -257,6 +285,10 @@ def test_api_reference_has_an_entry_for_every_public_name(ext):
   text = ext.reference()
   entries = re.findall(r"^\.\. auto(?:function|class|module):: cola_jax\.(\w+)$", text, flags=re.MULTILINE)
   assert sorted(entries) == sorted(cola_jax.__all__)
+  # A subpackage's names, each its own entry (cola_jax.sampling.sample_chain), its module without :members:
+  entries = re.findall(r"^\.\. auto(?:function|class):: cola_jax\.sampling\.(\w+)$", text, flags=re.MULTILINE)
+  assert sorted(entries) == sorted(cola_jax.sampling.__all__)
+  assert ".. automodule:: cola_jax.sampling\n\n.. " in text
 
 
 def test_a_name_from_a_new_module_goes_under_more(ext, monkeypatch):
@@ -277,8 +309,11 @@ def test_coverage_check_names_the_missing_entries():
   finally:
     sys.path.remove(str(DOCS / "ext"))
   documented = {f"cola_jax.{name}" for name in cola_jax.__all__}
+  documented |= {f"cola_jax.sampling.{name}" for name in cola_jax.sampling.__all__}
   assert coverage_check.missing_entries(cola_jax, documented) == []
   assert coverage_check.missing_entries(cola_jax, documented - {"cola_jax.Orthogonal"}) == ["Orthogonal"]
+  missing = documented - {"cola_jax.sampling.sample_chain"}
+  assert coverage_check.missing_entries(cola_jax, missing) == ["sampling.sample_chain"]
 
 
 def test_the_site_serves_its_own_mathjax(monkeypatch):

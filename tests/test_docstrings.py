@@ -34,15 +34,19 @@ def test_the_examples_are_found():
   finder = doctest.DocTestFinder(exclude_empty=True)
   names = {test.name for test in finder.find(cola_jax.transforms, "cola_jax.transforms")}
   assert {"cola_jax.transforms.cola_od", "cola_jax.transforms.cola_ud"} <= names
+  assert "cola_jax.sampling.chain" in MODULES  # the subpackages' modules too
 
 
 def public_entries(package=cola_jax) -> dict[str, object]:
-  """The functions and classes of ``package.__all__`` (states included), and for a module it names
-  (``cola_jax.langevin``) the public functions defined in that module, by the name a user writes."""
+  """The functions and classes of ``package.__all__`` (states included), for a module it names
+  (``cola_jax.langevin``) the public functions defined in that module, and for a subpackage
+  (``cola_jax.sampling``) the entries of its own ``__all__``, by the name a user writes."""
   entries = {}
   for name in package.__all__:
     obj = getattr(package, name)
-    if isinstance(obj, types.ModuleType):
+    if isinstance(obj, types.ModuleType) and hasattr(obj, "__path__") and hasattr(obj, "__all__"):
+      entries.update({f"{name}.{member}": value for member, value in public_entries(obj).items()})
+    elif isinstance(obj, types.ModuleType):
       for member, value in vars(obj).items():
         if not member.startswith("_") and inspect.isfunction(value) and value.__module__ == obj.__name__:
           entries[f"{name}.{member}"] = value
@@ -60,7 +64,7 @@ def runnable_examples(obj) -> list[doctest.Example]:
 def test_every_public_entry_has_an_example_that_runs():
   """A function or class added to ``cola_jax.__all__`` comes with an example (run by the test above)."""
   entries = public_entries()
-  assert {"cola_od", "OverdampedState", "Orthogonal", "langevin.oba_step"} <= set(entries)
+  assert {"cola_od", "OverdampedState", "Orthogonal", "langevin.oba_step", "sampling.sample_chain"} <= set(entries)
   assert [name for name, obj in entries.items() if not runnable_examples(obj)] == []
 
 

@@ -12,6 +12,7 @@ constraint, leaves a start below 0 (where no force reaches its slack) for a posi
 import dataclasses
 import math
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -101,14 +102,7 @@ def _train(tx, steps=400):
   [
     cola.cola_od(0.05, constraints=BALL),
     cola.cola_ud(0.1, friction=1.0, temperature=1e-7, key=jax.random.key(1), constraints=BALL),
-    pytest.param(
-      cola.constrained(optax.adam(2e-2), constraints=BALL),
-      marks=pytest.mark.xfail(
-        strict=True,
-        raises=TypeError,
-        reason="constrained.py stacks the inner update with jnp.asarray(u): a tuple of two shapes does not stack",
-      ),
-    ),
+    cola.constrained(optax.adam(2e-2), constraints=BALL),
   ],
   ids=["cola_od", "cola_ud", "constrained_adam"],
 )
@@ -129,20 +123,47 @@ class RaisesInProject(RowBall):
     return super().project(anchor, (step[0], step[1].reshape(3, 4)))  # a raw JAX error (TypeError) inside project
 
 
-class StateWithoutConstraint(RowBall):
-  def unpack(self, point, param):
-    x, s = point
-    return x, {"slack": s}  # not a ConstraintState: constraint_residuals cannot find the residual
-
-  def point(self, param, aux):
-    slack = aux["slack"] if isinstance(aux, dict) else aux.slack
-    return super().point(param, cola.ConstraintState(slack=slack, constraint=self))
+class DictState(RowBall):
+  """Its state a dict, not a ConstraintState: the transforms keep it beside the constraint."""
 
   def init(self, param):
     return {"slack": super().init(param).slack}
 
+  def point(self, param, aux):
+    return super().point(param, cola.ConstraintState(slack=aux["slack"], constraint=self))
+
+  def unpack(self, point, param):
+    return point[0], {"slack": point[1]}
+
   def residual(self, param, aux):
     return super().residual(param, cola.ConstraintState(slack=aux["slack"], constraint=self))
+
+
+class BrokenStateResidual(NamedTuple):
+  slack: jax.Array
+
+  def residual(self):  # constraint_residuals calls residual(param)
+    return jnp.zeros(())
+
+
+class StateWithBrokenResidual(RowBall):
+  def init(self, param):
+    return BrokenStateResidual(super().init(param).slack)
+
+  def point(self, param, aux):
+    return super().point(param, cola.ConstraintState(slack=aux.slack, constraint=self))
+
+  def unpack(self, point, param):
+    return point[0], BrokenStateResidual(point[1])
+
+  def residual(self, param, aux):
+    return super().residual(param, cola.ConstraintState(slack=aux.slack, constraint=self))
+
+
+def test_a_state_of_any_pytree_reaches_constraint_residuals():
+  check_constraint(DictState(0.5), (4, 3))
+  _, residual = _train(cola.cola_ud(0.1, friction=1.0, constraints=DictState(0.5)))
+  assert float(residual) <= 2 * (16 + 2) * float(jnp.finfo(jnp.float32).eps)
 
 
 @pytest.mark.parametrize(
@@ -150,7 +171,10 @@ class StateWithoutConstraint(RowBall):
   [
     (NoGradient(0.5), r"protocol shapes: ambient_gradient raised: TypeError: .*override ambient_gradient"),
     (RaisesInProject(0.5), r"protocol shapes: project raised \(called by point\): TypeError: cannot reshape"),
-    (StateWithoutConstraint(0.5), r"invariant measure \(smoke\): .*constraint_residuals"),
+    (
+      StateWithBrokenResidual(0.5),
+      r"invariant measure \(smoke\): .*state's residual\(param\) .*TypeError: BrokenStateResidual.residual\(\) takes",
+    ),
   ],
   ids=["ambient_gradient", "project", "state"],
 )

@@ -474,6 +474,23 @@ def test_every_default_takes_the_weight_matrices_and_names_them(owner):
 
 
 @pytest.mark.parametrize("owner", _owners(DEFAULTS, QUICK_DEFAULTS))
+def test_a_default_is_resolved_and_warned_about_once_over_init_a_jit_trace_and_eager_updates(owner):
+  """The driver resolves the constraint spec once per tree structure, at init: before, the default's rule ran (and
+  warned) again at every jit trace and every eager update."""
+  params = _small_transformer()
+  grads = jax.tree.map(jnp.zeros_like, params)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    tx = DEFAULTS[owner]()
+    state = tx.init(params)
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    for _ in range(2):
+      updates, state = tx.update(grads, state, params)
+  told = [w for w in caught if "not told which leaves to constrain" in str(w.message)]
+  assert len(told) == 1, [str(w.message)[:80] for w in caught]
+
+
+@pytest.mark.parametrize("owner", _owners(DEFAULTS, QUICK_DEFAULTS))
 def test_a_default_is_quiet_when_told_or_when_there_is_one_matrix(owner):
   """A mask, a radius per layer, optax.partition's labels (which route 2-D leaves whatever their names), one
   matrix, one array."""

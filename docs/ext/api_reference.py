@@ -4,6 +4,9 @@ A page holding the line ``{cola-api-reference}`` gets, in its place, one section
 module that defines them), each a summary table followed by the autodoc entries. A name added to ``__all__`` appears
 without editing the page; one from a module no group lists goes under "More".
 
+A subpackage in ``__all__`` (``cola_jax.sampling``) is documented with its own public names: its section lists
+``cola_jax.sampling.NAME`` for every name of the subpackage's ``__all__``, each its own entry.
+
 The summary tables are autosummary's, except that a row lists every argument of its entry, the optional ones in
 brackets (``c_cola_ud(learning_rate, *, friction, radius[, mask, ...])``): autosummary itself cuts a row's arguments
 to some 50 characters (``c_cola_ud(learning_rate, *, ...[, ...])``).
@@ -25,6 +28,7 @@ GROUPS = {  # section title -> the modules (prefixes of ``__module__``) whose pu
   "Initialisation and diagnostics": ("cola_jax.initialization", "cola_jax.diagnostics"),
   "The Langevin steps": ("cola_jax.langevin",),
   "Checking a constraint": ("cola_jax.testing",),
+  "Sampling the posterior": ("cola_jax.sampling",),
   "Guards for a constraint's own factorisations": ("cola_jax._platform",),
 }
 MORE = "More"
@@ -46,12 +50,24 @@ def grouped(package) -> dict[str, list[str]]:
   return {title: names for title, names in sections.items() if names}
 
 
-def _entry(package_name: str, name: str, obj) -> str:
+def is_subpackage(obj) -> bool:
+  """A package (not a plain module) with public names of its own, documented name by name."""
+  return isinstance(obj, types.ModuleType) and hasattr(obj, "__path__") and hasattr(obj, "__all__")
+
+
+def documented_names(package_name: str, name: str, obj) -> list[str]:
+  """The full names an entry of ``__all__`` documents: its own, and for a subpackage each of its public names."""
   full = f"{package_name}.{name}"
+  return [full, *(f"{full}.{member}" for member in sorted(obj.__all__))] if is_subpackage(obj) else [full]
+
+
+def _entry(full: str, obj) -> str:
+  if is_subpackage(obj):
+    return f".. automodule:: {full}\n"
   if isinstance(obj, types.ModuleType):
     return f".. automodule:: {full}\n   :members:\n"
   if inspect.isclass(obj):
-    members = "   :members:\n" if name in WITH_MEMBERS else ""
+    members = "   :members:\n" if full.rsplit(".", 1)[-1] in WITH_MEMBERS else ""
     return f".. autoclass:: {full}\n{members}"
   return f".. autofunction:: {full}\n"
 
@@ -61,10 +77,20 @@ def reference(package_name: str = "cola_jax") -> str:
   package = importlib.import_module(package_name)
   parts = []
   for title, names in grouped(package).items():
-    table = "\n".join(f"   {package_name}.{n}" for n in names)
-    entries = "\n".join(_entry(package_name, n, getattr(package, n)) for n in names)
+    fulls = [full for n in names for full in documented_names(package_name, n, getattr(package, n))]
+    table = "\n".join(f"   {full}" for full in fulls)
+    entries = "\n".join(_entry(full, _resolve(full)) for full in fulls)
     parts.append(f"## {title}\n\n```{{eval-rst}}\n.. {SUMMARY_DIRECTIVE}::\n\n{table}\n\n{entries}```\n")
   return "\n".join(parts)
+
+
+def _resolve(full: str):
+  """The object a dotted name (``cola_jax.sampling.Chain``) names, by attribute from its top-level package."""
+  first, *rest = full.split(".")
+  obj = importlib.import_module(first)
+  for attribute in rest:
+    obj = getattr(obj, attribute)
+  return obj
 
 
 def arguments(obj) -> str:
