@@ -41,9 +41,9 @@ How ``A`` is found.
 
 On XLA:CPU, under ``jax.vmap`` :func:`steepest_tangent_direction` loops over
 the batch, one matrix at a time
-(:func:`~cola_jax._platform.one_matrix_at_a_time`): jaxlib 0.10.2's batched
-CPU LAPACK kernels block the pool threads their own tasks need, and deadlocked
-a step of :func:`~cola_jax.manifold_muon` over two seeds.
+(:func:`~cola_jax._platform.one_matrix_at_a_time`): jaxlib's batched CPU
+LAPACK kernels can block the pool threads their own tasks need, and a step of
+:func:`~cola_jax.manifold_muon` over two seeds deadlocked so.
 
 ``A`` depends on the direction of ``G`` only (``A(c G) = A(G)`` for ``c >
 0``): the learning rate alone sets the length of the step, ``eta`` in the

@@ -7,7 +7,12 @@ same classes (slow). A test that holds for every constraint iterates
 ``CASES + VARIANTS`` through :func:`params`.
 """
 
+import functools
+import math
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import cola_jax as cola
@@ -41,14 +46,51 @@ VARIANTS = [
   ("orthogonal_square_root", cola.Orthogonal(projection="square_root"), (4, 4)),
   ("max_spectral_norm_per_matrix", cola.MaxSpectralNorm(0.5, row_axes=(1,), column_axes=(2,)), (2, 4, 3)),
   ("implicit_inequality", cola.Implicit(inequality=_unit_sphere), (4,)),
+  ("implicit_quasi_newton", cola.Implicit(equality=_unit_sphere, quasi_newton=True), (4,)),
   ("implicit_per_unit", cola.Implicit(equality=_column_sums_and_norm, axis=(0,)), (3, 2)),
 ]
 
 
-def params(cases=None) -> list:
-  """``pytest.param(constraint, shape, id=id)`` for each case, those of ``VARIANTS`` marked slow."""
+def params(cases=None, *, names: bool = False, quick=None) -> list:
+  """``pytest.param(constraint, shape, id=id)`` for each case (``(id, constraint, shape)`` with ``names``): of
+  ``cases``, or of ``CASES`` and ``VARIANTS``, those of ``VARIANTS`` marked slow; with ``quick``, a collection of
+  ids, every case whose id is not in it marked slow."""
+
+  def param(name, constraint, shape, marks=()):
+    if quick is not None:
+      marks = () if name in quick else pytest.mark.slow
+    return pytest.param(*((name,) if names else ()), constraint, shape, id=name, marks=marks)
+
   if cases is not None:
-    return [pytest.param(c, shape, id=name) for name, c, shape in cases]
-  quick = [pytest.param(c, shape, id=name) for name, c, shape in CASES]
-  slow = [pytest.param(c, shape, id=name, marks=pytest.mark.slow) for name, c, shape in VARIANTS]
-  return quick + slow
+    return [param(*c) for c in cases]
+  return [param(*c) for c in CASES] + [param(*c, marks=pytest.mark.slow) for c in VARIANTS]
+
+
+def case(name: str) -> tuple:
+  """``(constraint, shape)`` of the case ``name`` of ``CASES`` or ``VARIANTS``."""
+  found = [(c, shape) for n, c, shape in CASES + VARIANTS if n == name]
+  if not found:
+    raise KeyError(f"no case {name!r} in tests/_constraints.py")
+  return found[0]
+
+
+def start(constraint, shape, seed: int = 0) -> np.ndarray:
+  """A point of ``constraint`` on a float32 leaf of ``shape``: ``cola.project_params`` of standard normal entries."""
+  w = jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
+  return np.asarray(cola.project_params({"w": w}, {"w": constraint})["w"])
+
+
+@functools.cache
+def takes(constraint, shape: tuple) -> bool:
+  """Whether the transforms take a float32 leaf of ``shape`` under ``constraint``, on a manifold of positive
+  dimension (``Implicit``: more entries per unit than equalities; a unit of 1 entry on a sphere is two points)."""
+  leaf = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
+  try:
+    jax.eval_shape(cola.cola_od(0.1, constraints={"w": constraint}).init, leaf)
+  except (ValueError, TypeError):
+    return False
+  if isinstance(constraint, cola.Implicit) and constraint.equality is not None and math.prod(shape):
+    unit = tuple(shape[a] for a in (range(len(shape)) if constraint.axis is None else constraint.axis))
+    equalities = jax.eval_shape(constraint.equality, jax.ShapeDtypeStruct(unit, jnp.float32))
+    return math.prod(unit) > math.prod(equalities.shape)
+  return True

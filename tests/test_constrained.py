@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _constraints import CASES
 
 import cola_jax as cola
 
@@ -80,18 +81,8 @@ def test_riemannian_adam_reaches_the_known_optimum_where_the_naive_chain_stalls(
   assert gap(naive) > 1e-2
 
 
-CATALOG = {
-  "orthogonal": cola.Orthogonal(),
-  "circle": cola.Circle(0.3),
-  "box": cola.Box(-0.1, 0.4),
-  "non_negative": cola.NonNegative(),
-  "sphere": cola.MaxNorm(0.5),
-  "spectral": cola.MaxSpectralNorm(0.5),
-  "orthogonal_scaled": cola.Orthogonal(scale=0.5),
-  "unit_norm": cola.UnitNorm(),
-  "implicit": cola.Implicit(inequality=lambda w: jnp.sum(w * w) / 0.25 - 1, axis=0),
-  "free": None,
-}
+# One leaf per constraint of the registry (each accepts a (6, 4) leaf), and a free one.
+CATALOG = {name: c for name, c, _ in CASES} | {"free": None}
 
 
 @pytest.mark.parametrize(

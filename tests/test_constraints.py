@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _constraints import CASES, VARIANTS, params
 
 import cola_jax as cola
 from cola_jax import langevin
@@ -207,18 +208,10 @@ def test_unknown_projection_is_an_error():
     cola.Orthogonal(projection="svd")
 
 
+# The registry's constraints that project noise and force together; the quick suite keeps the Stiefel manifold.
 @pytest.mark.parametrize(
   "constraint, shape",
-  [
-    (cola.Orthogonal(), (6, 4)),
-    pytest.param(cola.Orthogonal(), (3, 5), marks=pytest.mark.slow),
-    pytest.param(cola.UnitNorm(2.0), (5, 3), marks=pytest.mark.slow),
-    pytest.param(
-      cola.Implicit(equality=lambda u: jnp.stack([jnp.sum(u), jnp.sum(u * u) - 1]), axis=0),
-      (4, 3),
-      marks=pytest.mark.slow,
-    ),
-  ],
+  params([c for c in CASES + VARIANTS if c[1].project_noise_with_force], quick={"orthogonal"}),
 )
 def test_noise_and_force_projected_together_give_o_then_b(constraint, shape):
   """One cotangent projection of noise and force is O followed by B: ``Pi(q)`` is linear."""

@@ -51,6 +51,7 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+import _constraints as registry
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,7 +121,7 @@ CASES = {
     extra=(("centre", np.full((2, 3), 0.75)),),
   ),
   # The origin, the antipodal pole; zeros start at the pole.
-  "sphere": Case(
+  "max_norm": Case(
     cola.MaxNorm(R), (3, 4), UNITS, (("zeros", 0.0), ("zeros", -R)), moving=("bound", "zeros, slack -1.5")
   ),
   "unit_norm": Case(cola.UnitNorm(R), (3, 4), UNITS, moving=("bound",)),
@@ -136,8 +137,8 @@ CASES = {
   "orthogonal_conv": Case(cola.Orthogonal(), (2, 2, 2, 3), _eye((2, 2, 2, 3)), moving=("bound",)),
   "orthogonal_scaled": Case(cola.Orthogonal(scale=R), (4, 2), R * _eye((4, 2)), moving=("bound",)),
   # On the boundary sigma = R: the start rule moves it to 0.99 R, through the stacked polar factor.
-  "spectral_tall": Case(cola.MaxSpectralNorm(R), (4, 2), R * _eye((4, 2)), moving=("bound",)),
-  "spectral_wide": Case(cola.MaxSpectralNorm(R), (2, 3), 0.5 * _eye((2, 3)), moving=("bound",)),
+  "max_spectral_norm_tall": Case(cola.MaxSpectralNorm(R), (4, 2), R * _eye((4, 2)), moving=("bound",)),
+  "max_spectral_norm_wide": Case(cola.MaxSpectralNorm(R), (2, 3), 0.5 * _eye((2, 3)), moving=("bound",)),
   # The negative branch s = -sqrt(w).
   "non_negative": Case(
     cola.NonNegative(),
@@ -156,19 +157,19 @@ CASES = {
 }
 # More shapes, solvers and loops, in the slow variant only.
 SLOW_CASES = {
-  "sphere_vector": Case(
+  "max_norm_vector": Case(
     cola.MaxNorm(0.5, axis=0),
     (3,),
     np.array([0.0, 0.5, 0.0]),
     (("zeros", -0.5),),
     moving=("zeros", "bound", "zeros, slack -0.5"),
   ),
-  "sphere_conv": Case(cola.MaxNorm(1.0), (2, 2, 1, 2), _eye((2, 2, 1, 2))),
+  "max_norm_conv": Case(cola.MaxNorm(1.0), (2, 2, 1, 2), _eye((2, 2, 1, 2))),
   "unit_norm_conv": Case(cola.UnitNorm(3.0), (2, 2, 1, 2), 3 * _eye((2, 2, 1, 2))),
   "unit_norm_vector_default_axis": Case(cola.UnitNorm(2.0), (3, 2), np.array([[2.0, 0.0], [0.0, 0.0], [0.0, 0.0]])),
   "orthogonal_square": Case(cola.Orthogonal(), (3, 3), _eye((3, 3))),
   "orthogonal_per_tap": Case(cola.Orthogonal(row_axes=2, column_axes=3), (2, 1, 3, 2), _eye((2, 1, 3, 2))),
-  "spectral_per_tap": Case(
+  "max_spectral_norm_per_tap": Case(
     cola.MaxSpectralNorm(1.0, row_axes=2, column_axes=3), (2, 1, 3, 2), 0.5 * _eye((2, 1, 3, 2)), moving=("bound",)
   ),
   "orthogonal_newton": Case(cola.Orthogonal(projection="newton"), (4, 2), _eye((4, 2))),
@@ -187,6 +188,11 @@ SLOW_CASES = {
     moving=("zeros", "bound", "zeros, slack 0.0"),
   ),
 }
+
+
+def test_every_constraint_of_the_registry_has_edge_cases_here():
+  """The edge inputs are written per constraint (its bounds, its poles): one missing leaves its constraint out."""
+  assert {type(c).__name__ for _, c, _ in registry.CASES} <= {type(case.constraint).__name__ for case in CASES.values()}
 
 
 def _with_slack(aux, value):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _constraints import case, params, start
 
 import cola_jax as cola
 from cola_jax import langevin
@@ -25,33 +26,10 @@ from cola_jax import langevin
 F32_MAX = float(np.finfo(np.float32).max)
 
 
-def _unit_norm(w):
-  return jnp.atleast_1d(jnp.sum(w**2) / 4 - 1)
-
-
-ORTHONORMAL = np.linalg.qr(np.random.default_rng(0).normal(size=(6, 4)))[0].astype(np.float32)
-
-# name -> (constraint, a starting parameter on its manifold)
-CONSTRAINTS = {
-  "circle": (cola.Circle(0.5), 0.2 * ORTHONORMAL),
-  "sphere": (cola.MaxNorm(1.5), 0.5 * ORTHONORMAL),
-  "orthogonal": (cola.Orthogonal(), ORTHONORMAL),
-  "implicit": (cola.Implicit(equality=_unit_norm), ORTHONORMAL),
-  "orthogonal_scaled": (cola.Orthogonal(scale=3.0), 3.0 * ORTHONORMAL),
-  "spectral": (cola.MaxSpectralNorm(1.5), 0.5 * ORTHONORMAL),
-}
-# The other solvers of the same constraints.
-SOLVERS = {
-  "orthogonal-newton": (cola.Orthogonal(projection="newton"), ORTHONORMAL),
-  "orthogonal-square_root": (cola.Orthogonal(projection="square_root"), ORTHONORMAL),
-  "implicit-quasi_newton": (cola.Implicit(equality=_unit_norm, quasi_newton=True), ORTHONORMAL),
-}
-FLAGGED = (
-  "orthogonal",
-  "implicit",
-  "orthogonal_scaled",
-  "spectral",
-)  # constraints whose state says whether a step converged
+def _named(name):
+  """The registry's constraint ``name`` and a point of it."""
+  constraint, shape = case(name)
+  return constraint, start(constraint, shape)
 
 
 def _transform(method, constraint, learning_rate=0.1):
@@ -115,22 +93,22 @@ def test_non_finite_orthogonal_input_returns_nan_and_flagged(projections):
   assert done.returncode == 0, done.stderr
   results = json.loads(done.stdout.strip().splitlines()[-1])
   assert len(results) == len(projections) * 2 * 3 + 1
-  for case, (nan_shown, converged) in results.items():
-    assert nan_shown and not converged, case
+  for run, (nan_shown, converged) in results.items():
+    assert nan_shown and not converged, run
 
 
 @pytest.mark.slow  # quick profile: tests/test_properties.py draws these inputs
-@pytest.mark.parametrize("name", ["circle", "sphere", "implicit"])
+@pytest.mark.parametrize("name", ["circle", "max_norm", "implicit"])
 @pytest.mark.parametrize("method", ["od", "ud"])
 @pytest.mark.parametrize("where, value", [("grad", np.inf), ("grad", np.nan), ("param", np.inf), ("param", np.nan)])
 def test_non_finite_input_shows_or_is_flagged(name, method, where, value):
-  constraint, param = CONSTRAINTS[name]
+  constraint, param = _named(name)
   grad = np.full_like(param, 0.1)
   if where == "grad":
-    grad[0, 0] = value
+    grad.flat[0] = value
   else:
     param = param.copy()
-    param[0, 0] = value
+    param.flat[0] = value
   new, state = _run(_transform(method, constraint), param, grad)
   residual = float(state.constraint_states["w"].residual(new))
   shown = bool(jnp.any(jnp.isnan(new))) or not np.isfinite(residual)
@@ -139,10 +117,10 @@ def test_non_finite_input_shows_or_is_flagged(name, method, where, value):
     assert residual <= 1e-6
 
 
-@pytest.mark.parametrize("name", ["circle", "sphere"])
+@pytest.mark.parametrize("name", ["circle", "max_norm"])
 @pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan])
 def test_project_params_shows_a_non_finite_entry(name, value):
-  constraint, param = CONSTRAINTS[name]
+  constraint, param = _named(name)
   bad = jnp.asarray(param).at[0, 0].set(value)
   projected = cola.project_params({"w": bad}, {"w": constraint})["w"]
   assert np.isnan(projected[0, 0])
@@ -150,9 +128,9 @@ def test_project_params_shows_a_non_finite_entry(name, value):
 
 
 def test_implicit_nearest_raises_for_a_non_finite_parameter():
-  constraint, param = CONSTRAINTS["implicit"]
+  constraint, param = _named("implicit")
   with pytest.raises(ValueError, match="could not be projected"):
-    constraint.nearest(jnp.asarray(param).at[0, 0].set(np.nan))
+    constraint.nearest(jnp.asarray(param).at[(0,) * param.ndim].set(np.nan))
 
 
 # --------------------------------------------------------------------------------------
@@ -160,10 +138,14 @@ def test_implicit_nearest_raises_for_a_non_finite_parameter():
 
 
 @pytest.mark.slow  # quick profile: tests/test_properties.py draws these inputs
-@pytest.mark.parametrize("name", sorted({**CONSTRAINTS, **SOLVERS}))
+@pytest.mark.parametrize("constraint, shape", params())
 @pytest.mark.parametrize("method", ["od", "ud"])
-def test_finite_gradients_of_any_size_end_on_the_manifold_or_flagged(name, method):
-  constraint, param = {**CONSTRAINTS, **SOLVERS}[name]
+def test_finite_gradients_of_any_size_end_on_the_manifold_or_flagged(constraint, shape, method, request):
+  if method == "ud" and isinstance(constraint, cola.NonNegative):
+    # Found when the registry's NonNegative joined this test: one cola_ud step of a gradient of 1e30 takes a slack
+    # to 3.8e20, its weight w = s**2 overflows to inf, the next update is inf - inf, and the NaN is not flagged.
+    request.applymarker(pytest.mark.xfail(strict=True, reason="NonNegative: a 1e30 gradient overflows, unflagged"))
+  param = start(constraint, shape)
   tx = _transform(method, constraint)
   for size in (1e-30, 1e-7, 1e8, 1e30):
     _check_finite_gradient(tx, param, size)
@@ -180,12 +162,12 @@ def _check_finite_gradient(tx, param, size):
     assert _converged(state), size
 
 
-@pytest.mark.parametrize("name", ["circle", "sphere", "orthogonal"])
+@pytest.mark.parametrize("name", ["circle", "max_norm", "orthogonal"])
 @pytest.mark.parametrize("size", [1e-30, 1e30, F32_MAX])
 def test_parameters_of_any_finite_size_are_moved_onto_the_manifold(name, size):
   # The constraint's own point (params + updates cannot carry a move from 1e30
   # to 0.5 in float32: the difference rounds to -1e30).
-  constraint, param = CONSTRAINTS[name]
+  constraint, param = _named(name)
   param = jnp.asarray(param).at[0, 0].set(size)
   point = jax.jit(lambda p: constraint.point(p, constraint.init(p)))(param)
   new, aux = constraint.unpack(point, param)
@@ -209,7 +191,7 @@ def test_circle_overdamped_huge_step_lands_on_the_side_it_points_to(step):
     assert np.all(np.isfinite(state.slack)) and np.all(np.abs(state.slack) <= 1e-6 * r)
 
 
-@pytest.mark.parametrize("name", ["circle", "sphere"])
+@pytest.mark.parametrize("name", ["circle", "max_norm"])
 @pytest.mark.parametrize("size", [1e7, 1e8, 1e20, 1e30])
 def test_underdamped_large_angles_keep_the_radius(name, size):
   # h = 0.3, r = 0.05: rotation angles of 6e7 to 6e30 radians.
@@ -242,10 +224,10 @@ def test_circle_a_step_turns_by_the_exact_angle_below_2_to_13_and_keeps_the_radi
 
 
 @pytest.mark.slow  # quick profile: tests/test_properties.py draws these inputs
-@pytest.mark.parametrize("name", sorted(CONSTRAINTS))
+@pytest.mark.parametrize("constraint, shape", params())
 @pytest.mark.parametrize("method", ["od", "ud-OBA", "ud-BAOAB"])
-def test_zero_step_size_moves_nothing(name, method):
-  constraint, param = CONSTRAINTS[name]
+def test_zero_step_size_moves_nothing(constraint, shape, method):
+  param = start(constraint, shape)
   schedule = optax.cosine_decay_schedule(0.1, decay_steps=2)  # 0.1, 0.05, then exactly 0
   assert float(schedule(2)) == 0.0
   if method == "od":
@@ -283,10 +265,10 @@ DTYPES = [jnp.float16, jnp.bfloat16, jnp.float64]  # float32: every other test
 
 @pytest.mark.slow  # quick profile: tests/test_properties.py draws these inputs
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("name", ["circle", "sphere", "orthogonal", "implicit"])
+@pytest.mark.parametrize("name", ["circle", "max_norm", "orthogonal", "implicit"])
 @pytest.mark.parametrize("method", ["od", "ud"])
 def test_every_float_dtype_keeps_shape_dtype_and_constraint(dtype, name, method):
-  constraint, param = CONSTRAINTS[name]
+  constraint, param = _named(name)
   with jax.enable_x64(dtype == jnp.float64):
     param = jnp.asarray(param, dtype)
     grad = jnp.asarray(np.random.default_rng(2).normal(size=param.shape), dtype)

@@ -310,15 +310,20 @@ def _run(tx, params, steps):
   return jax.jit(lambda p: jax.lax.scan(body, (p, tx.init(p)), None, length=steps)[0])(params)
 
 
-CLOSED_FORMS = {"circle": cola.Circle(0.5), "sphere": cola.MaxNorm(0.5), "orthogonal": cola.Orthogonal()}
-IMPLICIT_FORMS = {"circle": circle_implicit(0.5), "sphere": sphere_implicit(0.5), "orthogonal": orthogonal_implicit()}
+# Three closed forms beside their Implicit equivalents (the functions above), named as the registry names them.
+CLOSED_FORMS = {"circle": cola.Circle(0.5), "max_norm": cola.MaxNorm(0.5), "orthogonal": cola.Orthogonal()}
+IMPLICIT_FORMS = {
+  "circle": circle_implicit(0.5),
+  "max_norm": sphere_implicit(0.5),
+  "orthogonal": orthogonal_implicit(),
+}
 START = {
   # Inside the bound: from beyond it (or at it) Circle starts 1 % inside and the Implicit inequality on the bound,
   # where it cannot move (test_off_manifold_start_matches_the_closed_forms checks those starts).
   "circle": jnp.linspace(-0.48, 0.45, 7),
   # Inside the ball: a slack that starts at exactly 0 (Implicit) or at a
   # rounding error (MaxNorm) stays on the unstable equator, or leaves it, without noise.
-  "sphere": jnp.linspace(-0.4, 0.35, 12).reshape(3, 4),
+  "max_norm": jnp.linspace(-0.4, 0.35, 12).reshape(3, 4),
   "orthogonal": 0.5 * jax.random.normal(jax.random.key(14), (6, 3)),  # not orthonormal
 }
 

@@ -30,6 +30,11 @@ def lipschitz(load_benchmark):
   return load_benchmark("comparisons.lipschitz")
 
 
+@pytest.fixture(scope="module")
+def mlp(load_benchmark):
+  return load_benchmark("comparisons.lipschitz_model")
+
+
 def _layers(params, n):
   return [
     (np.asarray(params[f"layer{i}"]["kernel"], np.float64), np.asarray(params[f"layer{i}"]["bias"], np.float64))
@@ -92,17 +97,17 @@ def test_smoke_run_writes_the_comparison(lipschitz, tmp_path):
 
 
 @pytest.mark.parametrize("method", ["constrained_adam", "cola_ud"])
-def test_a_trained_mlp_in_the_ball_is_1_lipschitz(lipschitz, method):
+def test_a_trained_mlp_in_the_ball_is_1_lipschitz(lipschitz, mlp, method):
   """From kernels 10 times beyond the ball, with large steps: every Jacobian and every pair within 1 + tol."""
   widths = lipschitz.SMOKE["widths"]
   images = data.fashion_mnist(n_train=256, n_test=64, synthetic=True)
   x, y = jnp.asarray(images.x_train.reshape(256, -1)), jnp.asarray(images.y_train)
-  variables = lipschitz.initial_variables(method, widths, 0, x[:1])
+  variables = mlp.initial_variables(method, widths, 0, x[:1])
   params = jax.tree_util.tree_map_with_path(
     lambda path, a: 10 * a if path[-1].key == "kernel" else a, variables["params"]
   )
   tx = lipschitz.make_method(method, {"lr": 0.1, "h": 1.0, "friction": 1.0})
-  step = jax.jit(lipschitz.training_step(lipschitz.model_of(method, widths), tx))
+  step = jax.jit(mlp.training_step(mlp.model_of(method, widths), tx))
   stats, state = {}, tx.init(params)
   for i in range(30):
     batch = slice(32 * (i % 8), 32 * (i % 8 + 1))
@@ -122,21 +127,19 @@ def test_a_trained_mlp_in_the_ball_is_1_lipschitz(lipschitz, method):
     assert ratio.max() <= bound
 
 
-def test_spectral_norm_is_certified_by_the_kernels_its_layers_use(lipschitz):
+def test_spectral_norm_is_certified_by_the_kernels_its_layers_use(lipschitz, mlp, load_benchmark):
   """Under Flax's SpectralNorm the sown kernels are what the layers use: the MLP built from them gives the model's
   output (to the float32 forward pass's rounding), and none is the parameter itself."""
   widths = lipschitz.SMOKE["widths"]
   images = data.fashion_mnist(n_train=64, n_test=64, synthetic=True)
   x, y = jnp.asarray(images.x_train), jnp.asarray(images.y_train)
   name = "flax_spectral_norm"
-  model = lipschitz.model_of(name, widths)
-  v = lipschitz.initial_variables(name, widths, 0, x[:1])
+  model = mlp.model_of(name, widths)
+  v = mlp.initial_variables(name, widths, 0, x[:1])
   tx = lipschitz.make_method(name, lipschitz.DEFAULTS)
-  params, stats, _, _ = jax.jit(lipschitz.training_step(model, tx))(
-    v["params"], v["batch_stats"], tx.init(v["params"]), x, y
-  )
+  params, stats, _, _ = jax.jit(mlp.training_step(model, tx))(v["params"], v["batch_stats"], tx.init(v["params"]), x, y)
   variables = {"params": params, "batch_stats": stats}
-  kernels = lipschitz.used_kernels(model, variables, x[:1])
+  kernels = load_benchmark("comparisons.lipschitz_certificate").used_kernels(model, variables, x[:1])
   layers = [(k, np.asarray(params[f"layer{i}"]["bias"], np.float64)) for i, k in enumerate(kernels)]
   flat = np.asarray(x, np.float64).reshape(len(x), -1)
   scale = _forward64(layers, flat, absolute=True)

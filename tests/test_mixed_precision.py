@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _constraints import case, params
 
 import cola_jax as cola
 
@@ -20,32 +21,30 @@ IN, OUT = 64, 32
 WEIGHTS = IN * OUT
 F32, BF16 = 4, 2  # bytes per entry
 
-# Per family: the float32 entries of the slack variables of one (IN, OUT)
-# kernel (the scalars of the state, radius and centre, aside).
+# Per registry case (tests/_constraints.py): the float32 entries of the slack variables of one (IN, OUT) kernel (the
+# scalars of the state, radius and centre, aside), and whether cola_ud's momentum holds them too.
 SLACK_ENTRIES = {
-  "Circle": WEIGHTS,  # one per weight
-  "Box": WEIGHTS,
-  "NonNegative": WEIGHTS,
-  "MaxNorm": OUT,  # one per unit (column)
-  "Implicit": OUT,  # one per unit and inequality
-  "UnitNorm": 0,
-  "Orthogonal": 0,
+  "circle": (WEIGHTS, False),  # one per weight
+  "box": (WEIGHTS, False),
+  "non_negative": (WEIGHTS, False),
+  "max_norm": (OUT, False),  # one per unit (column)
+  "max_norm_all": (1, False),
+  "unit_norm": (0, False),
+  "unit_norm_all": (0, False),
+  "orthogonal": (0, False),
+  "orthogonal_scaled_wide": (0, False),
+  "orthogonal_newton": (0, False),
+  "orthogonal_square_root": (0, False),
+  "max_spectral_norm": (OUT * OUT, True),  # S of the stacked [W; S], whose momentum is the stack's
+  "implicit": (0, True),  # the momentum of the Implicit geometry is one flat vector: weights, then slacks
+  "implicit_inequality": (1, True),
+  "implicit_quasi_newton": (0, True),
+  "implicit_per_unit": (0, True),
 }
-
-
-def unit_ball(w):
-  return jnp.sum(w * w) - 1.0
-
-
-FAMILIES = {
-  "Circle": cola.Circle(0.2),
-  "Box": cola.Box(-0.3, 0.3),
-  "NonNegative": cola.NonNegative(),
-  "MaxNorm": cola.MaxNorm(1.0),
-  "Implicit": cola.Implicit(inequality=unit_ball, axis=0),
-  "UnitNorm": cola.UnitNorm(1.0),
-  "Orthogonal": cola.Orthogonal(),
-}
+# Every case of the registry whose constraint takes a matrix (the per-matrix views need a stack of them); the quick
+# suite keeps these seven, the slow tier the others (MaxSpectralNorm among them).
+QUICK = {"circle", "box", "non_negative", "max_norm", "implicit", "unit_norm", "orthogonal"}
+MATRIX_CASES = [p for p in params(names=True, quick=QUICK) if len(p.values[2]) <= 2]
 
 
 def bf16_params():
@@ -53,8 +52,8 @@ def bf16_params():
   return {"kernel": kernel.astype(jnp.bfloat16), "bias": jnp.zeros(OUT, jnp.bfloat16)}
 
 
-def transform(method, family, momentum_dtype=None):
-  constraints = {"kernel": FAMILIES[family], "bias": None}
+def transform(method, constraint, momentum_dtype=None):
+  constraints = {"kernel": constraint, "bias": None}
   if method == "od":
     return cola.cola_od(0.1, constraints=constraints, temperature=1e-5, key=jax.random.key(1))
   return cola.cola_ud(
@@ -81,23 +80,29 @@ def init_and_stepped(tx, params):
   return state, stepped
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+def entries(name):
+  """The case's slack entries, and the entries of cola_ud's momenta (kernel, slacks it holds, bias)."""
+  slacks, carried = SLACK_ENTRIES[name]
+  return slacks, WEIGHTS + OUT + (slacks if carried else 0)
+
+
+@pytest.mark.parametrize("name, constraint, shape", MATRIX_CASES)
 @pytest.mark.parametrize("method", ["od", "ud"])
-def test_bfloat16_parameters_keep_float32_slacks_and_momenta(method, family):
-  # The momentum of the Implicit geometry is one flat vector: weights, then slacks.
-  momentum_entries = 0 if method == "od" else WEIGHTS + OUT + (SLACK_ENTRIES[family] if family == "Implicit" else 0)
-  for state in init_and_stepped(transform(method, family), bf16_params()):  # the step keeps every dtype
+def test_bfloat16_parameters_keep_float32_slacks_and_momenta(method, name, constraint, shape):
+  slacks, momenta = entries(name)
+  momentum_entries = 0 if method == "od" else momenta
+  for state in init_and_stepped(transform(method, constraint), bf16_params()):  # the step keeps every dtype
     assert all(leaf.dtype == jnp.float32 for leaf in arrays(state)), jax.tree.map(lambda a: a.dtype, state)
-    assert nbytes(arrays(state)) == F32 * (SLACK_ENTRIES[family] + momentum_entries)
+    assert nbytes(arrays(state)) == F32 * (slacks + momentum_entries)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_bfloat16_momenta_halve_the_momenta_and_keep_the_slacks(family):
-  momentum_entries = WEIGHTS + OUT + (SLACK_ENTRIES[family] if family == "Implicit" else 0)
-  for state in init_and_stepped(transform("ud", family, momentum_dtype=jnp.bfloat16), bf16_params()):
+@pytest.mark.parametrize("name, constraint, shape", MATRIX_CASES)
+def test_bfloat16_momenta_halve_the_momenta_and_keep_the_slacks(name, constraint, shape):
+  slacks, momentum_entries = entries(name)
+  for state in init_and_stepped(transform("ud", constraint, momentum_dtype=jnp.bfloat16), bf16_params()):
     assert all(m.dtype == jnp.bfloat16 for m in jax.tree.leaves(state.momentum))
     assert all(leaf.dtype == jnp.float32 for leaf in arrays(state._replace(momentum=None)))
-    assert nbytes(arrays(state)) == F32 * SLACK_ENTRIES[family] + BF16 * momentum_entries
+    assert nbytes(arrays(state)) == F32 * slacks + BF16 * momentum_entries
 
 
 X = jax.random.normal(jax.random.key(2), (128, IN))
@@ -133,7 +138,7 @@ def train(params, constraint, momentum_dtype, steps=50):
 # The quick suite runs the circle; the per-unit tangent and RATTLE geometries run with slow.
 @pytest.mark.parametrize(
   "family",
-  ["Circle", pytest.param("UnitNorm", marks=pytest.mark.slow), pytest.param("Orthogonal", marks=pytest.mark.slow)],
+  ["circle", pytest.param("unit_norm", marks=pytest.mark.slow), pytest.param("orthogonal", marks=pytest.mark.slow)],
 )
 def test_bfloat16_momenta_cost_less_than_bfloat16_parameters(family):
   """Rounding the momenta to bfloat16 moves a trajectory less than rounding the parameters does.
@@ -142,7 +147,7 @@ def test_bfloat16_momenta_cost_less_than_bfloat16_parameters(family):
   exact great-circle flow) and Orthogonal (RATTLE); 50 noisy steps, fixed keys.
   """
   params = jax.tree.map(lambda p: 4 * p.astype(jnp.float32), bf16_params())
-  constraint = FAMILIES[family]
+  constraint = case(family)[0]
   reference, _ = train(params, constraint, None)  # float32 parameters and momenta
   bf16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
   rounded_params, _ = train(bf16, constraint, None)
@@ -160,7 +165,7 @@ def test_bfloat16_momenta_cost_less_than_bfloat16_parameters(family):
   residual = max(float(r) for r in jax.tree.leaves(cola.constraint_residuals(*train(params, constraint, jnp.bfloat16))))
   # A circle's residual is a few roundings; a column of IN entries is renormalised (its squared norm: twice that)
   # and the residual sums IN products in float32, in an order that depends on the CPU.
-  bound = rounding.roundings(16) if family == "Circle" else 2 * rounding.renormalised(IN) + rounding.roundings(IN)
+  bound = rounding.roundings(16) if family == "circle" else 2 * rounding.renormalised(IN) + rounding.roundings(IN)
   assert residual <= bound, residual
 
 

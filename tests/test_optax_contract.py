@@ -49,6 +49,7 @@ import numpy as np
 import optax
 import pytest
 from _cases import quick_or_slow
+from _constraints import CASES, VARIANTS, takes
 
 import cola_jax as cola
 
@@ -65,13 +66,8 @@ def _in_ball(x):
   return jnp.sum(x * x, keepdims=True) / 4 - 1  # |x| <= 2, of order one (Implicit's tolerance is absolute)
 
 
-def _in_unit_interval(x):
-  return x * x - 1  # |x| <= 1, for 0-d leaves
-
-
 # Defined once: two Implicit compare equal only when their functions are the same objects.
 PLANE_BALL = cola.Implicit(equality=_on_plane, inequality=_in_ball)
-SCALAR_IMPLICIT = cola.Implicit(inequality=_in_unit_interval)
 
 
 def _nearest_in_plane_ball(t):
@@ -118,17 +114,25 @@ CATALOG = {
     cola.Circle(RADIUS), np.array([0.0, 1.0, -0.5]), np.array([3.0, -1.0, -5.0]), np.array([2.0, -1.0, -2.0])
   ),
   "box": Problem(cola.Box(-1.0, 0.5), np.array([0.0, 0.2, -0.5]), _VECTOR, np.clip(_VECTOR, -1.0, 0.5)),
-  "nonnegative": Problem(cola.NonNegative(), np.ones(3), _VECTOR, np.maximum(_VECTOR, 0.0)),
-  "sphere": Problem(cola.MaxNorm(1.0), np.full((3, 2), 0.3), _MATRIX, _into_unit_balls(_MATRIX)),
-  "unitnorm": Problem(cola.UnitNorm(1.0), np.ones((3, 2)), _MATRIX, _MATRIX / np.linalg.norm(_MATRIX, axis=0)),
+  "non_negative": Problem(cola.NonNegative(), np.ones(3), _VECTOR, np.maximum(_VECTOR, 0.0)),
+  "max_norm": Problem(cola.MaxNorm(1.0), np.full((3, 2), 0.3), _MATRIX, _into_unit_balls(_MATRIX)),
+  "unit_norm": Problem(cola.UnitNorm(1.0), np.ones((3, 2)), _MATRIX, _MATRIX / np.linalg.norm(_MATRIX, axis=0)),
   "orthogonal": Problem(cola.Orthogonal(), np.eye(3, 2), _MATRIX, _polar(_MATRIX)),
   # Scale 1/2: the slowest mode of |W - T|^2 on s V relaxes at a rate ~ (sigma_i + sigma_j) / s of T's singular
   # values, so a scale below 1 converges faster than the unit manifold in the tests' step budgets.
   "orthogonal_scaled": Problem(cola.Orthogonal(scale=0.5), 0.5 * np.eye(3, 2), _MATRIX, 0.5 * _polar(_MATRIX)),
   # The target's singular values are 2.30 and 0.34: the optimum is on the boundary in one direction only.
-  "spectral": Problem(cola.MaxSpectralNorm(1.0), np.full((3, 2), 0.2), _MATRIX, _into_spectral_ball(_MATRIX, 1.0)),
+  "max_spectral_norm": Problem(
+    cola.MaxSpectralNorm(1.0), np.full((3, 2), 0.2), _MATRIX, _into_spectral_ball(_MATRIX, 1.0)
+  ),
   "implicit": Problem(PLANE_BALL, np.array([0.5, 0.5, 0.0]), _TARGET, _nearest_in_plane_ball(_TARGET)),
 }
+
+
+def test_the_catalog_has_a_problem_for_every_constraint_of_the_registry():
+  """The problems are closed forms, written per constraint: one missing leaves its constraint out of the contract."""
+  assert {type(c).__name__ for _, c, _ in CASES} <= {type(p.constraint).__name__ for p in CATALOG.values()}
+
 
 # The transforms: cola's own, `constrained` around optax optimizers, the presets on their constraint.
 
@@ -141,19 +145,19 @@ COMBOS = [(name, c) for name in GENERAL for c in CATALOG] + list(PRESETS.items()
 REPRESENTATIVE = {
   "cola_od": "orthogonal",
   "cola_ud": "circle",
-  "sgd_momentum": "nonnegative",
-  "adam": "sphere",
+  "sgd_momentum": "non_negative",
+  "adam": "max_norm",
   "adamw": "box",
-  "muon": "unitnorm",
+  "muon": "unit_norm",
   "chain": "implicit",
   "c_cola_od": "circle",
   "c_cola_ud": "circle",
   "o_cola_od": "orthogonal",
   "o_cola_ud": "orthogonal",
 }
-QUICK = set(REPRESENTATIVE.items()) | {("cola_ud", "spectral"), ("adam", "orthogonal_scaled")}
+QUICK = set(REPRESENTATIVE.items()) | {("cola_ud", "max_spectral_norm"), ("adam", "orthogonal_scaled")}
 # The wrappers' tests: a cola transform and an optax optimizer under constrained(); the other pairs are slow.
-FEW = {("cola_ud", "circle"), ("adam", "sphere")}
+FEW = {("cola_ud", "circle"), ("adam", "max_norm")}
 
 
 def _ids(*case):
@@ -327,17 +331,19 @@ def test_rayleigh_quotient_on_the_stiefel_manifold_finds_the_smallest_eigenvecto
 ZERO_STARTS = {
   **{
     c: CATALOG[c]._replace(start=np.zeros_like(CATALOG[c].start))
-    for c in ("none", "circle", "box", "nonnegative", "sphere", "unitnorm", "implicit")
+    for c in ("none", "circle", "box", "non_negative", "max_norm", "unit_norm", "implicit")
   },
   # One unit: the whole vector is normed. A zero unit starts at r (1, ..., 1) / sqrt(n) (UnitNorm's docstring).
-  "unitnorm_vector": Problem(cola.UnitNorm(1.0, axis=0), np.zeros(3), _VECTOR, _VECTOR / np.linalg.norm(_VECTOR)),
+  "unit_norm_vector": Problem(cola.UnitNorm(1.0, axis=0), np.zeros(3), _VECTOR, _VECTOR / np.linalg.norm(_VECTOR)),
 }
 ZERO_COMBOS = [(n, c) for n in GENERAL for c in ZERO_STARTS] + [("c_cola_od", "circle"), ("c_cola_ud", "circle")]
 
 
 @pytest.mark.parametrize(
   "name, cname",
-  quick_or_slow(ZERO_COMBOS, {("cola_od", "unitnorm_vector"), ("adam", "unitnorm"), ("cola_ud", "implicit")}, ids=_ids),
+  quick_or_slow(
+    ZERO_COMBOS, {("cola_od", "unit_norm_vector"), ("adam", "unit_norm"), ("cola_ud", "implicit")}, ids=_ids
+  ),
 )
 def test_converges_from_zeros(name, cname):
   """optax starts Rosenbrock at (0, 0): every constraint whose projection of 0 is defined, started there.
@@ -785,7 +791,7 @@ def test_tree_get_reads_the_count_and_tree_set_moves_the_schedule(name):
 
 def test_tree_get_finds_the_count_of_constrained_in_its_inner_optimizer():
   """test_tree_get: ``constrained`` has no count of its own; adam's is found, and set, inside it."""
-  params, spec, loss = tree_problem("sphere")
+  params, spec, loss = tree_problem("max_norm")
   tx = make("adam", spec)
   state = tx.init(params)
   assert int(optax.tree.get(state, "count")) == 0
@@ -801,21 +807,20 @@ def test_tree_get_finds_the_count_of_constrained_in_its_inner_optimizer():
 
 # 10. Edge trees: empty, 0-d, Python floats, None leaves.
 
-SCALAR_SETS = {
-  "none": None,
-  "circle": cola.Circle(RADIUS),
-  "box": cola.Box(-1.0, 0.5),
-  "nonnegative": cola.NonNegative(),
-  "sphere": cola.MaxNorm(1.0),  # 0-d: one unit of one entry (the circle)
-  "implicit": SCALAR_IMPLICIT,
-}
+# None, and every constraint of the registry that takes a 0-d leaf (MaxNorm: one unit of one entry, the circle).
+SCALAR_SETS = {"none": None, **{name: c for name, c, _ in CASES + VARIANTS if takes(c, ())}}
 EDGE_COMBOS = [(n, c) for n in GENERAL for c in SCALAR_SETS] + [
   ("c_cola_od", "circle"),
   ("c_cola_ud", "circle"),
   ("o_cola_od", "none"),
   ("o_cola_ud", "none"),
 ]
-QUICK_EDGES = {("cola_od", "circle"), ("cola_ud", "implicit"), ("adam", "nonnegative"), ("muon", "sphere")}
+QUICK_EDGES = {
+  ("cola_od", "circle"),
+  ("cola_ud", "implicit_inequality"),
+  ("adam", "non_negative"),
+  ("muon", "max_norm"),
+}
 
 
 @pytest.mark.parametrize("container", [dict, tuple, list])

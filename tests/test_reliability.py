@@ -9,11 +9,13 @@ The quick suite runs a few points of each sweep; ``-m slow`` runs them all.
 import dataclasses
 import functools
 
+import _constraints as registry
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _cases import quick_or_slow
 
 import cola_jax as cola
 from cola_jax import langevin
@@ -111,21 +113,10 @@ def test_tangential_norm_bound_is_a_lower_bound_that_detects_the_square_case():
 # NaN and inf planted in parameters, gradients, momenta and slacks
 
 
-def _unit_norm(w):
-  return jnp.atleast_1d(jnp.sum(w * w) - 1.0)
-
-
-# Large enough for XLA:CPU's max reduction to drop NaN (a 64 x 64 Gram matrix, 5120 entries).
-START = np.linalg.qr(np.random.default_rng(0).normal(size=(80, 64)))[0].astype(np.float32)
-PLANTED = {
-  "orthogonal": (cola.Orthogonal(), START),
-  "circle": (cola.Circle(0.5), 0.2 * START),
-  "sphere": (cola.MaxNorm(1.5), 0.5 * START),
-  "box": (cola.Box(-0.3, 0.7), 0.2 * START),
-  "non_negative": (cola.NonNegative(), np.abs(START)),
-  "unit_norm": (cola.UnitNorm(1.0), START),
-  "implicit": (cola.Implicit(equality=_unit_norm), START / np.linalg.norm(START)),
-}
+# Every constraint of the registry on a leaf large enough for XLA:CPU's max reduction to drop NaN (a 64 x 64 Gram
+# matrix, 5120 entries), from a point of it.
+SHAPE = (80, 64)
+NAMES = [name for name, _, _ in registry.CASES]
 
 
 def _plant(tree, value):
@@ -159,7 +150,7 @@ def _with_slack(aux, slack):
 # The quick suite: every place once, jitted (test_conformance.py plants a NaN in every built-in constraint's
 # parameter); -m slow: every constraint at every place, eager and jitted.
 QUICK_PLANTS = [("unit_norm", "param"), ("non_negative", "grad"), ("orthogonal", "momentum"), ("circle", "slack")]
-ALL_PLANTS = [(name, where) for name in sorted(PLANTED) for where in ("param", "grad", "momentum", "slack")]
+ALL_PLANTS = [(name, where) for name in NAMES for where in ("param", "grad", "momentum", "slack")]
 
 
 @pytest.mark.parametrize("name, where", QUICK_PLANTS)
@@ -175,8 +166,8 @@ def test_planted_nan_and_inf_always_show_everywhere(name, where, jit):
 
 
 def _check_planted(name, where, jit):
-  constraint, start = PLANTED[name]
-  params = {"w": jnp.asarray(start)}
+  constraint = registry.case(name)[0]
+  params = {"w": jnp.asarray(registry.start(constraint, SHAPE))}
   tx = cola.cola_ud(0.1, friction=1.0, constraints={"w": constraint})
   state = tx.init(params)
   aux = state.constraint_states["w"]
@@ -199,10 +190,14 @@ def _check_planted(name, where, jit):
     assert _shows(new_params, new_state, repaired_is_fine=where == "slack"), (name, where, value)
 
 
-@pytest.mark.parametrize("name", sorted(PLANTED))
+# The quick suite: a constraint of each kind (the others' residuals are the same code), -m slow the rest.
+QUICK_RESIDUALS = {"orthogonal", "circle", "max_norm", "box", "non_negative", "unit_norm", "implicit"}
+
+
+@pytest.mark.parametrize("name", quick_or_slow([(n,) for n in NAMES], {(n,) for n in QUICK_RESIDUALS}, ids=str))
 def test_residual_of_a_non_finite_leaf_is_never_finite(name):
-  constraint, start = PLANTED[name]
-  params = {"w": jnp.asarray(start)}
+  constraint = registry.case(name)[0]
+  params = {"w": jnp.asarray(registry.start(constraint, SHAPE))}
   state = cola.cola_od(0.1, constraints={"w": constraint}).init(params)
   for bad in (_plant(params, np.nan), {"w": jnp.full_like(params["w"], np.nan)}, _plant(params, np.inf)):
     for residuals in (cola.constraint_residuals, jax.jit(cola.constraint_residuals)):

@@ -9,6 +9,7 @@ runs of different methods. The corpus, model and training loop are tested in tes
 import json
 import math
 
+import _smoke as smoke
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,34 +29,12 @@ def lm(load_benchmark):
 
 @pytest.fixture(scope="module")
 def smoke_run(lm, tmp_path_factory):
-  out = tmp_path_factory.mktemp("transformer_lm")
-  returned = lm.main(["--smoke", "--out", str(out), "--quiet"])
-  return out, returned
+  return smoke.run(lm, "transformer_lm", tmp_path_factory)
 
 
 def test_json_schema(lm, smoke_run):
-  out, returned = smoke_run
-  data = json.loads((out / "transformer_lm.json").read_text())
-  assert data == json.loads(json.dumps(returned))
-  for key in (
-    "schema_version",
-    "status",
-    "config",
-    "data",
-    "methods",
-    "seeds",
-    "results",
-    "summary",
-    "published",
-    "command",
-    "argv",
-    "date",
-    "machine",
-    "versions",
-    "wall_time_s",
-  ):
-    assert key in data, key
-  assert data["status"] == "complete" and data["argv"][0] == "--smoke"
+  data = smoke.report(*smoke_run, "transformer_lm", "status", "data", "published")
+  assert data["status"] == "complete"
   assert data["data"]["synthetic"] is True and data["config"]["corpus_used"] == "synthetic"
   assert data["published"]["min_valid_loss"]["ptb"]["ccola_ud"] == 4.81
   assert data["published"]["min_valid_loss"]["wikitext2"]["sgdm_h0.1_m0.8"] == 5.13

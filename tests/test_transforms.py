@@ -202,7 +202,7 @@ def test_outside_jit_init_project_params_and_residuals_compile_one_program_each(
   constraints = {
     "orthogonal": cola.Orthogonal(),
     "circle": cola.Circle(0.5),
-    "sphere": cola.MaxNorm(0.5),
+    "max_norm": cola.MaxNorm(0.5),
     "implicit": cola.Implicit(inequality=lambda w: jnp.sum(w * w) / 0.25 - 1, axis=0),
     "free": None,
   }

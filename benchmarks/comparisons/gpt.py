@@ -72,8 +72,9 @@ import optax
 
 import cola_jax as cola
 from benchmarks.comparisons.gpt_model import FunctionalGPT
+from benchmarks.comparisons.gpt_report import plot, table
 from benchmarks.harness import cli, lm, models, perplexity, records, report, text
-from benchmarks.harness.timing import compile_cost, measure_pair, pair_summary, tree_bytes
+from benchmarks.harness.timing import against_adam, compile_cost, measure_pair, pair_summary, tree_bytes
 
 METHODS = ("adam", "orthogonal", "unit_norm", "c_cola_ud")
 PER_HEAD = [
@@ -206,17 +207,10 @@ def step_costs(model, params, batch, hp: dict, methods, args) -> dict:
     timed = pair_summary(*measure_pair((compiled, base), carries, 2, args.repetitions, args.budget))
     out[name] = {
       "state_bytes": tree_bytes(tx.init(params)),
-      **{k: cost[k] for k in ("compile_s", "compile_cpu_s", "argument_bytes", "temp_bytes")},
-      "adam_compile_s": base_cost["compile_s"],
-      "adam_compile_cpu_s": base_cost["compile_cpu_s"],
-      "step": timed,
-      "ratios": {
-        "step": timed["ratio"],
-        "compile_wall": cost["compile_s"] / base_cost["compile_s"],
-        "compile_cpu": cost["compile_cpu_s"] / base_cost["compile_cpu_s"],
-        "memory": memory(cost) / memory(base_cost),
-      },
+      **{k: cost[k] for k in ("argument_bytes", "temp_bytes")},
+      **against_adam(cost, base_cost, timed),
     }
+    out[name]["ratios"]["memory"] = memory(cost) / memory(base_cost)
     print(
       f"{name:12s} step {timed['method_ms']:.1f} ms vs Adam {timed['baseline_ms']:.1f} ms "
       f"({timed['ratio']:.2f}x), compile {out[name]['ratios']['compile_cpu']:.2f}x (CPU s), "
@@ -294,62 +288,6 @@ def sweep(model, data, args, config, write) -> dict:
     final_valid_loss=results,
     chosen={"adam_lr": hp["adam_lr"], "h": h, "friction": g},
   )
-
-
-def plot(out: dict, path: str) -> None:
-  """Validation and training loss against the step (mean ± sd over seeds), and the cost ratios to Adam."""
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, axes = plt.subplots(1, 3, figsize=(18, 4.8))
-  for i, (name, r) in enumerate(out["results"].items()):
-    history = r["history"]
-    for ax, key in zip(axes, ("valid_loss", "train_loss")):
-      values = records.nan_array(history[key])[1:]  # the first evaluation, at initialisation, trained nothing
-      mean, sd = values.mean(axis=1), values.std(axis=1)
-      ax.plot(history["step"][1:], mean, color=f"C{i}", label=out["methods"][name])
-      ax.fill_between(history["step"][1:], mean - sd, mean + sd, color=f"C{i}", alpha=0.2)
-  for ax, what in zip(axes, ("validation", "training (mean over each chunk)")):
-    ax.set(xlabel="step", ylabel=f"{what} loss (nats/character)")
-    ax.grid(alpha=0.3)
-  axes[0].legend(fontsize=8)
-  kinds = ("step", "compile_cpu", "memory")
-  names = [n for n in out["costs"] if n != "adam"]
-  for j, kind in enumerate(kinds):
-    axes[2].bar(
-      np.arange(len(names)) + 0.27 * (j - 1), [out["costs"][n]["ratios"][kind] for n in names], 0.27, label=kind
-    )
-  axes[2].axhline(1, color="black", lw=0.8)
-  axes[2].set(xticks=range(len(names)), xticklabels=names, ylabel="ratio to Adam (same process)")
-  axes[2].legend(fontsize=8)
-  c = out["config"]
-  fig.suptitle(
-    f"GPT {c['model']['blocks']}x{c['model']['width']}, {c['model']['heads']} heads, on {out['data']['source']}: "
-    f"batch {c['batch']} x {c['length']} characters, {c['steps']} steps, {len(out['seeds'])} seeds"
-  )
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-
-
-def table(out: dict) -> str:
-  rows = []
-  for name, r in out["results"].items():
-    cost = out["costs"].get(name, {}).get("ratios", {})
-    worst = r["residual"] and max(r["residual"])
-    rows.append(
-      [
-        name,
-        report.pm(r["final_valid_loss"]),
-        report.pm(r["final_train_loss"]),
-        *(f"{cost[k]:.2f}" if k in cost else "1" for k in ("step", "compile_cpu", "memory")),
-        "-" if worst is None else f"{worst:.1e}",
-      ]
-    )
-  header = ["method", "final valid loss", "final train loss", "step", "compile", "memory", "residual"]
-  return report.table(rows, header)
 
 
 def main(argv=None) -> dict:

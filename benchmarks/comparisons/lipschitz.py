@@ -51,25 +51,22 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import functools
-import math
 import os
 import sys
 import time
-from collections.abc import Sequence
-from typing import Any
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from flax import linen as nn
 
 import cola_jax as cola
-from benchmarks.harness import cli, data, models, records, report
-from benchmarks.harness.timing import compile_cost, measure_pair, pair_summary
+from benchmarks.comparisons.lipschitz_certificate import logits_of, measure
+from benchmarks.comparisons.lipschitz_model import epoch_fn, initial_variables, model_of, training_step
+from benchmarks.comparisons.lipschitz_report import entry, plot, table
+from benchmarks.harness import cli, data, records, report
+from benchmarks.harness.timing import against_adam, compile_cost, measure_pair, pair_summary
 
 METHODS = ("adam", "constrained_adam", "cola_ud", "flax_spectral_norm")
 BALL = [(r"kernel$", cola.MaxSpectralNorm(1.0))]
@@ -87,38 +84,6 @@ SMOKE = {
   "pairs": 64,
 }
 SMOKE_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1, "xla_llvm_disable_expensive_passes": True}
-
-
-class Dense(nn.Module):
-  """``x @ kernel + bias`` with PyTorch's init, sowing the kernel it uses (``W / sigma_est`` under SpectralNorm)."""
-
-  features: int
-
-  @nn.compact
-  def __call__(self, x):
-    fan_in = x.shape[-1]
-    kernel = self.param("kernel", models.torch_uniform(fan_in), (fan_in, self.features))
-    bias = self.param("bias", models.torch_uniform(fan_in), (self.features,))
-    self.sow("intermediates", "kernel", kernel)
-    return x @ kernel + bias
-
-
-class LipschitzMLP(nn.Module):
-  """Dense layers ``layer0 ..`` of ``widths`` with ReLU between them, each wrapped in Flax's ``SpectralNorm``
-  with ``spectral_norm`` (its power-iteration estimate updated when ``train``)."""
-
-  widths: Sequence[int]
-  spectral_norm: bool = False
-
-  @nn.compact
-  def __call__(self, x, train: bool = False):
-    x = x.reshape(len(x), -1)
-    for i, width in enumerate(self.widths):
-      if i:
-        x = nn.relu(x)
-      layer = Dense(width, name=f"layer{i}")
-      x = nn.SpectralNorm(layer)(x, update_stats=train) if self.spectral_norm else layer(x)
-    return x
 
 
 def make_method(name: str, hp: dict) -> optax.GradientTransformation:
@@ -142,130 +107,9 @@ def describe(name: str, hp: dict) -> str:
   }[name]
 
 
-def model_of(name: str, widths) -> LipschitzMLP:
-  return LipschitzMLP(tuple(widths), spectral_norm=name == "flax_spectral_norm")
-
-
-def initial_variables(name: str, widths, seed: int, sample: jax.typing.ArrayLike) -> dict:
-  """Seed ``seed``'s parameters, the same for every method, and SpectralNorm's ``batch_stats`` (its random start
-  vectors ``u``) for ``flax_spectral_norm``; ``{}`` for the others."""
-  init_key, power_key = jax.random.split(jax.random.key(seed))
-  params = model_of("adam", widths).init(init_key, sample)["params"]
-  stats = model_of(name, widths).init(power_key, sample).get("batch_stats", {})
-  return {"params": params, "batch_stats": stats}
-
-
 def order_key(seed: int) -> jax.Array:
   """The key of seed ``seed``'s minibatch order (epoch ``e``: ``fold_in(key, e)``), the same for every method."""
   return jax.random.fold_in(jax.random.key(seed), 1)
-
-
-def loss_fn(model: LipschitzMLP):
-  """``(params, batch_stats, x, y) -> (mean cross-entropy, updated batch_stats)`` in training mode."""
-
-  def loss(params, stats, x, y):
-    logits, mutated = model.apply({"params": params, "batch_stats": stats}, x, train=True, mutable=["batch_stats"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), mutated.get("batch_stats", stats)
-
-  return loss
-
-
-def training_step(model: LipschitzMLP, tx: optax.GradientTransformation):
-  """``(params, stats, opt_state, x, y) -> (params, stats, opt_state, loss)``: one step, not jitted."""
-  grad = jax.value_and_grad(loss_fn(model), has_aux=True)
-
-  def step(params, stats, opt_state, x, y):
-    (loss, stats), grads = grad(params, stats, x, y)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), stats, opt_state, loss
-
-  return step
-
-
-def epoch_fn(model: LipschitzMLP, tx: optax.GradientTransformation, batch: int, n: int):
-  """A jitted epoch: ``((params, stats, opt_state), x, y, key) -> (carry, mean loss)``, minibatches in the
-  order ``permutation(key, n)``, scanned."""
-  step = training_step(model, tx)
-  steps = n // batch
-
-  def epoch(carry, x, y, key):
-    order = jax.random.permutation(key, n)[: steps * batch].reshape(steps, batch)
-
-    def one(carry, idx):
-      params, stats, opt_state = carry
-      params, stats, opt_state, loss = step(params, stats, opt_state, x[idx], y[idx])
-      return (params, stats, opt_state), loss
-
-    carry, losses = jax.lax.scan(one, carry, order)
-    return carry, jnp.mean(losses)
-
-  return jax.jit(epoch, donate_argnums=0)
-
-
-def used_kernels(model: LipschitzMLP, variables: dict, sample: jax.typing.ArrayLike) -> list[np.ndarray]:
-  """The kernel each layer uses at evaluation, in order (``W / sigma_est`` under SpectralNorm), as float64."""
-  _, sown = model.apply(variables, sample, mutable=["intermediates"])
-  layers = sown["intermediates"]
-  return [np.asarray(layers[f"layer{i}"]["kernel"][0], np.float64) for i in range(len(model.widths))]
-
-
-def spectral_norms(kernels: Sequence[np.ndarray]) -> list[float]:
-  """The exact largest singular value of each kernel (LAPACK's float64 SVD)."""
-  return [float(np.linalg.svd(k, compute_uv=False)[0]) for k in kernels]
-
-
-def certified(logits: np.ndarray, labels: np.ndarray, lipschitz: float, radii) -> tuple[float, list[float]]:
-  """Clean accuracy, and per radius the fraction correct with ``margin / (sqrt(2) L) > radius``."""
-  top2 = np.sort(logits.astype(np.float64), axis=-1)[:, -2:]
-  margin = top2[:, 1] - top2[:, 0]
-  correct = np.argmax(logits, -1) == labels
-  return float(correct.mean()), [float(np.mean(correct & (margin / (math.sqrt(2) * lipschitz) > r))) for r in radii]
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def logits_of(model: LipschitzMLP, variables: dict, x: jax.Array):
-  """The logits of the rows of ``x``, in evaluation mode."""
-  return model.apply(variables, x)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def jacobians(model: LipschitzMLP, variables: dict, x: jax.Array) -> jax.Array:
-  """The Jacobian ``(outputs, inputs)`` of the logits with respect to the flattened input at each row of ``x``."""
-  f = lambda xi: model.apply(variables, xi[None])[0]
-  return jax.vmap(jax.jacrev(f))(x).reshape(len(x), model.widths[-1], -1)
-
-
-def jacobian_norms(model: LipschitzMLP, variables: dict, x: jax.Array) -> np.ndarray:
-  """The spectral norm of the Jacobian of the logits with respect to the input at each row of ``x``."""
-  return np.linalg.norm(np.asarray(jacobians(model, variables, x), np.float64), ord=2, axis=(1, 2))
-
-
-def pair_ratios(logits: np.ndarray, x: np.ndarray, pairs: int, seed: int) -> np.ndarray:
-  """``|f(x_i) - f(x_j)| / |x_i - x_j|`` over ``pairs`` random pairs ``i != j`` of the rows of ``x``."""
-  rng = np.random.default_rng(seed)
-  i = rng.integers(0, len(x), pairs)
-  j = (i + rng.integers(1, len(x), pairs)) % len(x)
-  flat = x.reshape(len(x), -1).astype(np.float64)
-  out = logits.astype(np.float64)
-  return np.linalg.norm(out[i] - out[j], axis=1) / np.linalg.norm(flat[i] - flat[j], axis=1)
-
-
-def measure(model: LipschitzMLP, variables: dict, dataset: data.Dataset, args, seed: int) -> dict:
-  """What a trained network is measured by (the module docstring): one seed's values."""
-  logits = np.asarray(logits_of(model, variables, dataset.x_test))
-  norms = spectral_norms(used_kernels(model, variables, dataset.x_test[:1]))
-  lipschitz = math.prod(norms)
-  clean, robust = certified(logits, dataset.y_test, lipschitz, args.radii)
-  jac = jacobian_norms(model, variables, jnp.asarray(dataset.x_test[: args.jacobian_points]))
-  return {
-    "test_accuracy": clean,
-    "certified_accuracy": robust,
-    "lipschitz_bound": lipschitz,
-    "layer_norms": norms,
-    "max_layer_norm": max(norms),
-    "empirical_lipschitz_jacobian": float(jac.max()),
-    "empirical_lipschitz_pairs": float(pair_ratios(logits, dataset.x_test, args.pairs, seed).max()),
-  }
 
 
 def train_seed(name: str, seed: int, dataset: data.Dataset, epoch, args) -> tuple[dict, dict]:
@@ -311,113 +155,13 @@ def step_costs(dataset: data.Dataset, args) -> dict:
     timed = pair_summary(
       *measure_pair((advance(compiled), advance(base)), (fn_args, setup("adam")[1]), 2, args.repetitions, args.budget)
     )
-    out[name] = {
-      **{k: cost[k] for k in ("compile_s", "compile_cpu_s")},
-      "adam_compile_s": base_cost["compile_s"],
-      "adam_compile_cpu_s": base_cost["compile_cpu_s"],
-      "step": timed,
-      "ratios": {
-        "step": timed["ratio"],
-        "compile_wall": cost["compile_s"] / base_cost["compile_s"],
-        "compile_cpu": cost["compile_cpu_s"] / base_cost["compile_cpu_s"],
-      },
-    }
+    out[name] = against_adam(cost, base_cost, timed)
     print(
       f"{name:20s} step {timed['method_ms']:.2f} ms vs Adam {timed['baseline_ms']:.2f} ms ({timed['ratio']:.2f}x), "
       f"compile {out[name]['ratios']['compile_cpu']:.2f}x (CPU s)",
       flush=True,
     )
   return out
-
-
-KEYS = (
-  "test_accuracy",
-  "lipschitz_bound",
-  "empirical_lipschitz_jacobian",
-  "empirical_lipschitz_pairs",
-  "max_layer_norm",
-)
-
-
-def entry(measured: list[dict], histories: list[dict], radii) -> dict:
-  """A method's JSON entry from its seeds' measurements and histories: per-seed lists and their means."""
-  out: dict[str, Any] = {k: [m[k] for m in measured] for k in KEYS}
-  out["layer_norms"] = [m["layer_norms"] for m in measured]
-  out["certified_accuracy"] = {f"{r:g}": [m["certified_accuracy"][i] for m in measured] for i, r in enumerate(radii)}
-  out["summary"] = {
-    **records.mean_std_fields(out, KEYS),
-    "certified_accuracy": {
-      r: dict(zip(("mean", "std"), records.mean_std(v))) for r, v in out["certified_accuracy"].items()
-    },
-  }
-  out["history"] = {
-    "epoch": histories[0]["epoch"],
-    **{k: [list(values) for values in zip(*(h[k] for h in histories))] for k in ("train_loss", "test_accuracy")},
-  }
-  return out
-
-
-def plot(out: dict, path: str) -> None:
-  """Accuracy against the certified radius, the Lipschitz bound and the empirical constant, the cost ratios."""
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, axes = plt.subplots(1, 3, figsize=(18, 4.8))
-  radii = out["config"]["radii"]
-  names = list(out["results"])
-  for i, (name, r) in enumerate(out["results"].items()):
-    values = np.array([r["test_accuracy"], *(r["certified_accuracy"][f"{e:g}"] for e in radii)]) * 100
-    axes[0].errorbar([0, *radii], values.mean(1), values.std(1), color=f"C{i}", marker="o", capsize=3, label=name)
-  axes[0].set(xlabel="L2 radius (pixels in [0, 1]); 0: clean", ylabel="test accuracy (%)", ylim=(0, 100))
-  axes[0].legend(fontsize=8)
-  for j, (key, label) in enumerate(
-    (("lipschitz_bound", "L: product of exact layer norms"), ("empirical_lipschitz_jacobian", "max Jacobian norm"))
-  ):
-    values = np.array([out["results"][n][key] for n in names])
-    axes[1].bar(np.arange(len(names)) + 0.4 * (j - 0.5), values.mean(1), 0.4, yerr=values.std(1), label=label)
-  axes[1].axhline(1, color="black", lw=0.8)
-  axes[1].set(xticks=range(len(names)), xticklabels=names, yscale="log", ylabel="Lipschitz constant")
-  axes[1].legend(fontsize=8)
-  costs = list(out["costs"])
-  for j, kind in enumerate(("step", "compile_cpu")):
-    axes[2].bar(
-      np.arange(len(costs)) + 0.4 * (j - 0.5), [out["costs"][n]["ratios"][kind] for n in costs], 0.4, label=kind
-    )
-  axes[2].axhline(1, color="black", lw=0.8)
-  axes[2].set(xticks=range(len(costs)), xticklabels=costs, ylabel="ratio to Adam (same process)")
-  axes[2].legend(fontsize=8)
-  for ax in axes:
-    ax.grid(alpha=0.3)
-    ax.tick_params(axis="x", labelsize=8)
-  c = out["config"]
-  fig.suptitle(
-    f"MLP 784-{'-'.join(map(str, c['widths']))}, ReLU, on {out['data']['source']}: {c['epochs']} epochs, "
-    f"batch {c['batch']}, {len(out['seeds'])} seeds"
-  )
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-
-
-def table(out: dict) -> str:
-  radii = out["config"]["radii"]
-  rows = []
-  for name, r in out["results"].items():
-    cost = out["costs"].get(name, {}).get("ratios", {})
-    rows.append(
-      [
-        name,
-        report.pm(r["test_accuracy"], 100, 1),
-        *(report.pm(r["certified_accuracy"][f"{e:g}"], 100, 1) for e in radii),
-        report.pm(r["lipschitz_bound"], digits=3),
-        report.pm(r["empirical_lipschitz_jacobian"], digits=3),
-        *(f"{cost[k]:.2f}" if k in cost else "1" for k in ("step", "compile_cpu")),
-      ]
-    )
-  header = ["method", "clean %", *(f"cert {e:g} %" for e in radii), "L", "max |J|", "step", "compile"]
-  return report.table(rows, header)
 
 
 def cli_parser() -> argparse.ArgumentParser:

@@ -75,18 +75,25 @@ def variants(gap_tolerances, warm_tolerances, iteration_counts) -> dict:
   warm variants start from the multiplier their last call returned, the others ignore it."""
   nan = jnp.array(jnp.nan)
 
-  def admm(tolerance, max_iterations, warm):
+  def admm(tolerance, max_iterations):
     def direction(w, d, multiplier):
-      start = multiplier if warm else jnp.zeros_like(multiplier)
-      a, info, multiplier = _steepest_tangent_direction(w, d, tolerance, max_iterations, start)
+      a, info = steepest_tangent_direction(w, d, tolerance=tolerance, max_iterations=max_iterations)
       return a, info.iterations, info.gap, multiplier
 
     return direction
 
-  out = {f"admm_gap_{tol:g}": admm(tol, 5000, False) for tol in gap_tolerances}
-  out.update({f"admm_gap_{tol:g}_warm": admm(tol, 5000, True) for tol in warm_tolerances})
+  def warm_admm(tolerance, max_iterations):
+    # The ADMM's start and end multipliers are no argument or output of the public function.
+    def direction(w, d, multiplier):
+      a, info, multiplier = _steepest_tangent_direction(w, d, tolerance, max_iterations, multiplier)
+      return a, info.iterations, info.gap, multiplier
+
+    return direction
+
+  out = {f"admm_gap_{tol:g}": admm(tol, 5000) for tol in gap_tolerances}
+  out.update({f"admm_gap_{tol:g}_warm": warm_admm(tol, 5000) for tol in warm_tolerances})
   # A tolerance below float32's certificates: it runs k iterations.
-  out.update({f"admm_{k}_iterations": admm(1e-12, k, False) for k in iteration_counts})
+  out.update({f"admm_{k}_iterations": admm(1e-12, k) for k in iteration_counts})
 
   def projected_msign(w, d, multiplier):
     return _unit_tangent(w, _msign(d)), jnp.zeros((), jnp.int32), nan, multiplier

@@ -52,6 +52,23 @@ def pm(values, scale: float = 1.0, digits: int = 3) -> str:
   return f"{scale * mean:.{digits}f} ± {scale * std:.{digits}f}"
 
 
+def ratio_cells(costs: Mapping[str, dict], name: str, kinds: Sequence[str]) -> list[str]:
+  """Method ``name``'s ``ratios`` of ``kinds`` in ``costs`` to two decimals; ``"1"`` for Adam, which has none."""
+  ratios = costs.get(name, {}).get("ratios", {})
+  return [f"{ratios[k]:.2f}" if k in ratios else "1" for k in kinds]
+
+
+def ratio_bars(ax, costs: Mapping[str, dict], kinds: Sequence[str]) -> None:
+  """On ``ax``, a group of bars per method of ``costs``: its ``ratios`` of ``kinds`` to Adam's, a line at 1."""
+  names, width = list(costs), 0.8 / len(kinds)
+  for j, kind in enumerate(kinds):
+    offset = width * (j - (len(kinds) - 1) / 2)
+    ax.bar(np.arange(len(names)) + offset, [costs[n]["ratios"][kind] for n in names], width, label=kind)
+  ax.axhline(1, color="black", lw=0.8)
+  ax.set(xticks=range(len(names)), xticklabels=names, ylabel="ratio to Adam (same process)")
+  ax.legend(fontsize=8)
+
+
 def plot_curves(
   path: str,
   panels: Sequence[tuple[str, str]],

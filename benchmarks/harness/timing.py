@@ -73,6 +73,22 @@ def pair_summary(t_method: np.ndarray, t_baseline: np.ndarray) -> dict:
   }
 
 
+def against_adam(cost: dict, adam_cost: dict, timed: dict) -> dict:
+  """A method's :func:`compile_cost` and :func:`pair_summary` beside Adam's: its compile seconds (wall, CPU),
+  Adam's, the step times, and ``ratios`` to Adam's of the step and of both compile times."""
+  return {
+    **{k: cost[k] for k in ("compile_s", "compile_cpu_s")},
+    "adam_compile_s": adam_cost["compile_s"],
+    "adam_compile_cpu_s": adam_cost["compile_cpu_s"],
+    "step": timed,
+    "ratios": {
+      "step": timed["ratio"],
+      "compile_wall": cost["compile_s"] / adam_cost["compile_s"],
+      "compile_cpu": cost["compile_cpu_s"] / adam_cost["compile_cpu_s"],
+    },
+  }
+
+
 def tree_bytes(tree) -> int:
   """Bytes of a pytree's arrays (a typed PRNG key counted as its key data)."""
   total = 0

@@ -163,7 +163,7 @@ class Run:
       return (params, opt_state, shuffle_key, fallbacks), metrics
 
     # Op by op: jitted, the vmapped init of ten orthogonal (QR) kernels deadlocked XLA:CPU (jaxlib 0.10.2's batched
-    # LAPACK kernels block the pool threads their own tasks need; see cola_jax._platform.one_matrix_at_a_time).
+    # LAPACK kernels block the pool threads their own tasks need; docs/development.md, "Batched LAPACK on XLA:CPU").
     self._init = jax.vmap(init_one)
     self._chunk = jax.jit(jax.vmap(chunk_one, in_axes=(0, 0, None)), donate_argnums=0)
     self.carry = None

@@ -352,9 +352,8 @@ def _solve(matrix, rhs, symmetric):
   over the batch. Otherwise LAPACK: Cholesky for the symmetric positive
   definite ``G G^T``, LU for Newton's ``G(q) G(q_n)^T``. On CPU a ``vmap``
   is a loop (:func:`~cola_jax._platform.one_matrix_at_a_time`), each
-  iteration the units' batch as one call: one unit at a time cost 1.42
-  times as much (1.33 against 0.94 ms for the step of a 784 x 128 kernel
-  with 128 units of 16 components, 2 shared cores, jax 0.10.2).
+  iteration the units' batch as one call (one unit at a time was the slower
+  form on XLA:CPU).
   """
   if rhs.shape[-1] <= _FEW_COMPONENTS:
     return _eliminate(matrix, rhs)
@@ -369,7 +368,7 @@ def _eliminate(a, b):
   """Gaussian elimination with partial pivoting, each row operation at once over the batch.
 
   ``m`` unrolled steps of a few array operations (written out entry by entry,
-  the ``m^3`` scalar operations took XLA seconds to compile at ``m = 7``).
+  the ``m^3`` scalar operations are slow to compile).
   """
   m = b.shape[-1]
   rows = np.arange(m)
@@ -422,8 +421,7 @@ class Implicit(Constraint):
       manifold only then. ``"fixed"`` runs ``max_iterations`` iterations,
       those after convergence masked, and always computes the reprojection,
       selected where needed: the same point, iterations and flags with no loop
-      whose end the host must read. On an H200 it was 1.6x slower (per-unit
-      Implicit on the 8 x 100 spiral network).
+      whose end the host must read; on a GPU it is the slower form.
 
   At least one of ``equality`` and ``inequality`` is required; the functions
   must be traceable (``jnp``) and differentiable. Two ``Implicit`` compare equal

@@ -341,10 +341,9 @@ class Orthogonal(Constraint):
       convergence masked, and always computes the fallbacks (two SVDs per
       matrix and step), selected where needed: the same point, iterations and
       flag with no loop whose end the host must read (a GPU reads every
-      ``while`` test before the next iteration). Measured on an H200 it is the
-      slower form by far (an o-CoLA-od step of the 8 x 100 spiral network:
-      1.4 ms with ``"while"``, 67 ms with ``"fixed"``); it is there for
-      programs that must not synchronise with the host.
+      ``while`` test before the next iteration). On a GPU it is the slower
+      form by far; it is there for programs that must not synchronise with
+      the host.
     retraction: how :meth:`retract` (the step of :func:`~cola_jax.constrained`;
       ``cola_od`` and ``cola_ud`` project instead) takes ``Q`` along a tangent
       step ``xi`` (see :mod:`~cola_jax.constraints.stiefel_retraction`):
