@@ -5,6 +5,7 @@ Networks*, OPT2020.
 """
 
 from cola_jax import langevin, sampling, testing
+from cola_jax._platform import one_matrix_at_a_time
 from cola_jax.alias import (
   c_cola_od,
   c_cola_ud,
@@ -87,6 +88,7 @@ __all__ = [
   "manifold_muon",
   "o_cola_od",
   "o_cola_ud",
+  "one_matrix_at_a_time",
   "orthogonal_constraints",
   "path_constraints",
   "project_params",

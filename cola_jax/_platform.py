@@ -172,24 +172,34 @@ def computed_after_on_cpu(grad: jax.Array, tree: T) -> T:
 
 
 def one_matrix_at_a_time(fn: Callable) -> Callable:
-  """``fn`` (a LAPACK factorisation of one model's matrix) made to loop over a ``vmap`` batch on XLA:CPU.
+  """``fn`` (a LAPACK factorisation of one matrix) made to loop over a ``vmap`` batch on XLA:CPU.
 
-  jaxlib 0.10.2's CPU LAPACK kernels (``eigh``, ``svd``, ``qr``, Cholesky,
-  LU) split a batch of large matrices into tasks on XLA:CPU's intra-op thread
-  pool and block the pool thread that runs them until the tasks are done:
-  with every pool thread blocked so (two on two cores) no thread is left to
-  run the tasks, and the program deadlocks (a step of ``manifold_muon`` over
-  two seeds did, and so did the ``"qr"`` retraction of two conv kernels
-  ``(3, 3, 64, 64)`` held as 9 matrices each, with or without ``vmap``).
+  For a constraint of your own whose methods factorise matrices (``eigh``,
+  ``svd``, ``qr``, Cholesky, LU, a solve): wrap the factorisation, as the
+  library's constraints do. jaxlib 0.10.2's CPU LAPACK kernels split a batch
+  of large matrices into tasks on XLA:CPU's intra-op thread pool and block
+  the pool thread that runs them until the tasks are done; with every pool
+  thread blocked so, no thread is left to run the tasks, and the program
+  deadlocks (a step of :func:`~cola_jax.manifold_muon` over two seeds did).
   Given one matrix, LAPACK runs on the calling thread. Under ``jax.vmap``
-  (seeds, or the stack of a leaf's matrices, which
-  :class:`~cola_jax.Orthogonal` maps over) the result calls ``fn`` on one
+  (seeds, or the stack of a leaf's matrices) the result calls ``fn`` on one
   member at a time (``jax.custom_batching.sequential_vmap``); unbatched it
-  computes what ``fn`` does, bit for bit. The steps took as long either way
-  (0.92 to 1.04 times, medians on 2 shared cores). Other platforms' batched
-  solvers are fine and get ``fn``. ``fn`` takes its arrays positionally; its
-  keyword defaults (``jnp.linalg.eigh``'s ``UPLO``) stay Python values
-  (``custom_vmap`` would trace every argument it binds).
+  computes what ``fn`` does, bit for bit. Other platforms' batched solvers
+  are fine and get ``fn``.
+
+  Args:
+    fn: a function of arrays, taken positionally; its keyword defaults
+      (``jnp.linalg.eigh``'s ``UPLO``) stay Python values.
+
+  Returns:
+    A function of the same arrays computing ``fn``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, cola_jax as cola
+    >>> eigh = cola.one_matrix_at_a_time(jnp.linalg.eigh)
+    >>> values, _ = jax.vmap(eigh)(jnp.stack([jnp.eye(2), 2 * jnp.eye(2)]))  # one matrix at a time on CPU
+    >>> values.tolist()
+    [[1.0, 1.0], [2.0, 2.0]]
   """
   looped = jax.custom_batching.sequential_vmap(lambda *arrays: fn(*arrays))
   return lambda *arrays: on_cpu("one_matrix_at_a_time", looped, fn, *arrays)

@@ -17,8 +17,9 @@ def project_params(params: Any, constraints: ConstraintSpec) -> Any:
   weight beyond a bound or within ``0.01 (upper - lower) / 2`` of it moves to
   that distance inside, and a :class:`~cola_jax.MaxNorm` unit with
   ``|w_j| > 0.99 r`` is scaled to ``|w_j| = 0.99 r``.
-  :class:`~cola_jax.UnitNorm` units are scaled to norm ``r``, negative
-  :class:`~cola_jax.NonNegative` weights set to 0, orthogonal leaves replaced
+  :class:`~cola_jax.UnitNorm` units are scaled to norm ``r``,
+  :class:`~cola_jax.NonNegative` weights at or below 0 lifted to ``0.00508``
+  (where a force reaches them: at 0 none does), orthogonal leaves replaced
   by their polar factor (the nearest matrix with orthonormal columns or rows);
   free leaves are unchanged. A constrained leaf with an ``inf`` or NaN entry
   comes back as NaN (an :class:`~cola_jax.Implicit` one raises ValueError);

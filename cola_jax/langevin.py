@@ -25,6 +25,9 @@ of ``h``, every O step with its own draw). The invariant measure of both dynamic
 density proportional to ``exp(-V / tau)`` with respect to the surface measure
 of ``M`` (times the Gaussian in ``p`` for the underdamped one).
 
+A point, a momentum and the noise may be any pytree of arrays (a slack
+constraint's ``(x, s)``): the maps scale and add them leaf by leaf.
+
 Randomness is explicit: a map reads its step's standard normal numbers
 ``noise`` as an argument (None: no noise), drawn from a PRNG key by
 :func:`draw_noise`, which reads only the point's shapes, dtypes and shardings.
@@ -130,9 +133,10 @@ def o_step(
     >>> langevin.o_step(circle, point, jnp.array([1.0, -1.0]), decay=0.5)  # no noise: friction only
     Array([ 0.5, -0.5], dtype=float32)
   """
-  momentum = decay * momentum
+  momentum = jax.tree.map(lambda p: decay * p, momentum)
   if noise is not None:
-    momentum = momentum + noise_scale * constraint.cotangent_normal(point, noise)
+    kick = constraint.cotangent_normal(point, noise)
+    momentum = jax.tree.map(lambda p, r: p + noise_scale * r, momentum, kick)
   return momentum
 
 
@@ -148,7 +152,7 @@ def b_step(constraint: Constraint, point: Point, momentum: Momentum, grad: jax.A
     >>> [round(float(p), 3) for p in momentum]  # -h grad xi / r
     [-0.08, -0.08]
   """
-  return momentum - h * constraint.projected_gradient(point, grad)
+  return jax.tree.map(lambda p, f: p - h * f, momentum, constraint.projected_gradient(point, grad))
 
 
 def a_step(constraint: Constraint, point: Point, momentum: Momentum, h) -> tuple[Point, Momentum]:

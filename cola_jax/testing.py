@@ -22,7 +22,9 @@ add. A projection that stops at a tolerance (``Orthogonal``'s and
 ``Implicit``'s ``tolerance``) may leave that much of its residual.
 """
 
+import contextlib
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -30,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cola_jax.constraints.base import Constraint
+from cola_jax.diagnostics import constraint_residuals
 from cola_jax.transforms import cola_ud
 
 _FIRST_ORDER = 0.1  # how much of a step of size delta a first-order check allows at second order (delta kappa << 1)
@@ -62,7 +65,8 @@ def check_constraint(
   3. *normals*: the normals are the set's: a small step ``delta`` along the
      tangent ``Pi v`` is kept by :meth:`~cola_jax.Constraint.project` and one
      along the normal ``v - Pi v`` is undone, both to first order
-     (``|error| <= 0.1 delta`` with ``delta = sqrt(eps) max(max |w|, 1)``);
+     (``|error| <= 0.1 delta`` with ``delta = sqrt(max(eps, tolerance))
+     max(max |w|, 1)``);
   4. *retraction*: ``R(q, 0) = q``, ``R(q, delta v)`` first order along
      ``v``, and ``R(q, v)`` on the set;
   5. *A step*: on the set with a tangent momentum after time ``h``
@@ -70,7 +74,10 @@ def check_constraint(
   6. *invariant measure (smoke)*: 60 steps of :func:`~cola_jax.cola_ud` with
      noise (temperature 0.05, key fixed) on the quadratic loss
      ``|x - w|^2 / 2`` stay on the set, move, and have finite means and
-     variances;
+     variances, and :func:`~cola_jax.constraint_residuals` reads the trained
+     state (its constraint state must name the constraint: a
+     :class:`~cola_jax.ConstraintState`, or a state with a
+     ``residual(param)`` method);
   7. *jit equals eager*: the start and an A step compiled and op by op agree
      to ``b`` (the A step's momentum to ``b / h``), NaN in the same places;
   8. *NaN shows*: a NaN entry in the parameter gives NaN in the first
@@ -78,7 +85,14 @@ def check_constraint(
 
   Each comparison allows the rounding bound ``b = 2 (N + 2) eps`` (see the
   module docstring) relative to the sizes compared, and a residual
-  ``max(b, tolerance)``.
+  ``max(b, tolerance)``; every quantity is computed in ``dtype`` (at least
+  float32), so ``dtype=jnp.float64`` (under ``jax.enable_x64``) checks to
+  float64's bound. An exception raised inside a method of the constraint
+  (or by an output of the wrong structure) fails the property being checked,
+  naming the method. With the default :meth:`~cola_jax.Constraint.residual`
+  (how far :meth:`~cola_jax.Constraint.point` moves the leaf) the
+  projection is checked only against itself, so a consistent projection
+  onto another set passes: a ``UserWarning`` says so.
 
   Args:
     constraint: the constraint to check.
@@ -92,7 +106,7 @@ def check_constraint(
 
   Raises:
     AssertionError: naming the property that failed, the constraint, the
-      shape and the numbers compared.
+      shape and the numbers compared, or the method that raised.
 
   Example:
     >>> import cola_jax as cola
@@ -115,6 +129,14 @@ def check_constraint(
   k_start, k_vector, k_run = jax.random.split(key, 3)
   x = jax.random.normal(k_start, shape, dtype)
   constraint.validate(x, "check_constraint")
+  if type(constraint).residual is Constraint.residual:
+    warnings.warn(
+      f"check_constraint: {constraint!r} keeps the default residual (how far point() moves the leaf), so the "
+      "projection is checked only against itself: a consistent projection onto another set passes. Override "
+      "residual(param, aux) with max |g(x)| to check the set itself.",
+      UserWarning,
+      stacklevel=2,
+    )
   check.run(x, k_vector, k_run)
 
 
@@ -129,7 +151,26 @@ class _Check:
     self.tolerance = tolerance
 
   def fail(self, prop: str, detail: str):
-    raise AssertionError(f"{self.c!r} on a leaf of shape {self.shape}, {self.dtype}: {prop}: {detail}")
+    error = AssertionError(f"{self.c!r} on a leaf of shape {self.shape}, {self.dtype}: {prop}: {detail}")
+    error.from_check = True  # pyright: ignore[reportAttributeAccessIssue]
+    raise error
+
+  @contextlib.contextmanager
+  def calling(self, prop: str, methods: str):
+    """Turns an exception inside ``methods`` (those that ``prop`` calls) into ``prop``'s failure, naming the method."""
+    try:
+      yield
+    except Exception as error:
+      if getattr(error, "from_check", False):
+        raise
+      at_fault = _methods_in_traceback(self.c, error.__traceback__)
+      where = (
+        f"{at_fault[-1]} raised" + (f" (called by {' <- '.join(reversed(at_fault[:-1]))})" if at_fault[:-1] else "")
+        if at_fault
+        else f"the outputs of {methods} do not fit together (see the protocol of Constraint)"
+      )
+      message = str(error).split("\n--------------------\n")[0]  # without JAX's note on its filtered frames
+      self.fail(prop, f"{where}: {type(error).__name__}: {message}")
 
   def at_most(self, prop: str, what: str, value, bound: float):
     value = float(value)
@@ -137,6 +178,7 @@ class _Check:
       self.fail(prop, f"{what} is {value:.3g}, above the bound {bound:.3g}")
 
   def run(self, x, k_vector, k_run):
+    self.check_structure(x, k_vector)
     sample = jax.jit(lambda x: self.sample(x, k_vector))(x)
     self.bound = 2 * (sample["ambient_size"] + 2) * self.eps
     self.residual_bound = max(self.bound, self.tolerance)
@@ -149,58 +191,91 @@ class _Check:
     self.check_eager(x, sample)
     self.check_nan(sample)
 
+  def check_structure(self, x, k_vector):
+    """The protocol's shapes: the ambient vectors, the gradient and the stored momentum fit the point."""
+    c = self.c
+    prop = "protocol shapes"
+    with self.calling(prop, "init, point, ambient_normal"):
+      _, v = jax.eval_shape(lambda x: _point_and_vector(c, x, k_vector), x)
+    with self.calling(prop, "ambient_gradient"):
+      gradient = jax.eval_shape(lambda x: c.ambient_gradient(_point_and_vector(c, x, k_vector)[0], x), x)
+    if not _same_shapes(gradient, v):
+      self.fail(
+        prop,
+        f"ambient_gradient(point, grad) has shapes {_shapes(gradient)} where the ambient vectors (ambient_normal) "
+        f"have {_shapes(v)}: a point other than the leaf needs ambient_gradient (the gradient, zero on slacks)",
+      )
+    with self.calling(prop, "zero_momentum, load_momentum, cotangent"):
+      loaded = jax.eval_shape(lambda x: c.load_momentum(c.zero_momentum(x)), x)
+      coordinates = jax.eval_shape(lambda x: c.cotangent(*_point_and_vector(c, x, k_vector)), x)
+    if not _same_shapes(loaded, coordinates):
+      self.fail(
+        prop,
+        f"load_momentum(zero_momentum(x)) has shapes {_shapes(loaded)} where cotangent(q, v) has "
+        f"{_shapes(coordinates)}: zero_momentum (or load_momentum) does not give a momentum",
+      )
+
   # What is computed, compiled once.
 
   def sample(self, x, k_vector):
     c = self.c
-    q = c.point(x, c.init(x))
-    w, aux = c.unpack(q, x)
-    v = c.ambient_normal(k_vector, q)
-    coordinates = c.cotangent(q, v)
-    t = c.momentum_vector(q, coordinates)
-    n = _sub(v, t)
-    param_part = _adjoint_of_ambient_gradient(c, q, x)
+    with self.calling("projection", "init, point, unpack, nearest, residual"):
+      q = c.point(x, c.init(x))
+      w, aux = c.unpack(q, x)
+      projection = {"w": w, "nearest_of_x": c.nearest(x), "nearest_of_w": c.nearest(w), "residual": c.residual(w, aux)}
+    with self.calling("cotangent projection", "ambient_normal, cotangent, momentum_vector"):
+      v = c.ambient_normal(k_vector, q)
+      coordinates = c.cotangent(q, v)
+      t = c.momentum_vector(q, coordinates)
+      n = _sub(v, t)
+      cotangent = {
+        "v": v,
+        "coordinates": coordinates,
+        "t": t,
+        "n": n,
+        "twice_projected": c.cotangent(q, t),
+        "projected_normal": c.cotangent(q, n),
+      }
     scale = jnp.maximum(jnp.max(jnp.abs(w)), 1)
-    delta = math.sqrt(self.eps) * scale
+    delta = math.sqrt(max(self.eps, self.tolerance)) * scale  # a normal step of delta is above the tolerance
     unit_t, unit_n = _scaled(t, 1 / _norm(t)), _scaled(n, 1 / _norm(n))
+    with self.calling("normals", "ambient_gradient, project, unpack"):
+      param_part = _adjoint_of_ambient_gradient(c, q, x)
+      normals = {
+        "delta": delta,
+        "t_param": param_part(unit_t),
+        "along_tangent": c.unpack(c.project(q, _scaled(unit_t, delta)), x)[0],
+        "along_normal": c.unpack(c.project(q, _scaled(unit_n, delta)), x)[0],
+      }
     h = _H * _norm(w) / _norm(t)
-    q1, p1 = c.a_step(q, coordinates, h)
-    w1, aux1 = c.unpack(q1, x)
-    q_still, p_still = c.a_step(q, coordinates, jnp.zeros((), w.dtype))
-    retracted = c.retract(q, _scaled(coordinates, h))
-    w_retracted, aux_retracted = c.unpack(retracted, x)
-    nan_x = x.at[(0,) * x.ndim].set(jnp.nan)
-    nan_momentum = jax.tree.map(lambda a: a.at[(0,) * a.ndim].set(jnp.nan), coordinates)
-    nan_q1, nan_p1 = c.a_step(q, nan_momentum, h)
-    return {
-      "ambient_size": sum(a.size for a in jax.tree.leaves(v)),
-      "w": w,
-      "nearest_of_x": c.nearest(x),
-      "nearest_of_w": c.nearest(w),
-      "residual": c.residual(w, aux),
-      "v": v,
-      "coordinates": coordinates,
-      "t": t,
-      "n": n,
-      "twice_projected": c.cotangent(q, t),
-      "projected_normal": c.cotangent(q, n),
-      "delta": delta,
-      "t_param": param_part(unit_t),
-      "along_tangent": c.unpack(c.project(q, _scaled(unit_t, delta)), x)[0],
-      "along_normal": c.unpack(c.project(q, _scaled(unit_n, delta)), x)[0],
-      "retract_zero": c.unpack(c.retract(q, _scaled(coordinates, 0.0)), x)[0],
-      "retract_delta": c.unpack(c.retract(q, _scaled(coordinates, delta / _norm(t))), x)[0],
-      "retracted_residual": c.residual(w_retracted, aux_retracted),
-      "h": h,
-      "a_step_residual": c.residual(w1, aux1),
-      "p1": p1,
-      "p1_projected": c.cotangent(q1, c.momentum_vector(q1, p1)),
-      "still_w": c.unpack(q_still, x)[0],
-      "still_p": p_still,
-      "w1": w1,
-      "nan_start": c.unpack(c.point(nan_x, c.init(nan_x)), x)[0],
-      "nan_step": (c.unpack(nan_q1, x)[0], nan_p1),
-    }
+    with self.calling("retraction", "retract, unpack, residual"):
+      retracted = c.retract(q, _scaled(coordinates, h))
+      w_retracted, aux_retracted = c.unpack(retracted, x)
+      retraction = {
+        "retract_zero": c.unpack(c.retract(q, _scaled(coordinates, 0.0)), x)[0],
+        "retract_delta": c.unpack(c.retract(q, _scaled(coordinates, delta / _norm(t))), x)[0],
+        "retracted_residual": c.residual(w_retracted, aux_retracted),
+      }
+    with self.calling("A step", "a_step, unpack, residual, cotangent, momentum_vector"):
+      q1, p1 = c.a_step(q, coordinates, h)
+      w1, aux1 = c.unpack(q1, x)
+      q_still, p_still = c.a_step(q, coordinates, jnp.zeros((), w.dtype))
+      a_step = {
+        "h": h,
+        "a_step_residual": c.residual(w1, aux1),
+        "p1": p1,
+        "p1_projected": c.cotangent(q1, c.momentum_vector(q1, p1)),
+        "still_w": c.unpack(q_still, x)[0],
+        "still_p": p_still,
+        "w1": w1,
+      }
+    with self.calling("NaN shows", "init, point, unpack, a_step"):
+      nan_x = x.at[(0,) * x.ndim].set(jnp.nan)
+      nan_momentum = jax.tree.map(lambda a: a.at[(0,) * a.ndim].set(jnp.nan), coordinates)
+      nan_q1, nan_p1 = c.a_step(q, nan_momentum, h)
+      nan = {"nan_start": c.unpack(c.point(nan_x, c.init(nan_x)), x)[0], "nan_step": (c.unpack(nan_q1, x)[0], nan_p1)}
+    ambient_size = sum(a.size for a in jax.tree.leaves(v))
+    return {"ambient_size": ambient_size, **projection, **cotangent, **normals, **retraction, **a_step, **nan}
 
   # The properties.
 
@@ -282,7 +357,7 @@ class _Check:
       "A step",
       "max |Pi(p') - p'| / |p'| (the new momentum is not tangent)",
       _max_abs(s["p1_projected"], p1) / scale,
-      self.bound,
+      self.residual_bound,  # the new point is on the set to the projection's tolerance, Pi idempotent to as much
     )
     w = s["w"]
     w_scale = max(float(np.max(np.abs(w))), 1e-30)
@@ -298,24 +373,9 @@ class _Check:
     )
 
   def check_noisy_run(self, w, key):
-    c = self.c
-    tx = cola_ud(0.1, friction=1.0, temperature=_TEMPERATURE, key=key, constraints=c)
-    target = jnp.asarray(w)
-
-    def step(carry, _):
-      params, state = carry
-      updates, state = tx.update(params - target, state, params)
-      params = params + updates
-      aux = state.constraint_states  # pyright: ignore[reportAttributeAccessIssue]  (cola_ud's state)
-      return (params, state), (params, c.residual(params, aux))
-
-    @jax.jit
-    def run(params):
-      _, (trajectory, residuals) = jax.lax.scan(step, (params, tx.init(params)), length=_STEPS)
-      return trajectory, residuals
-
-    trajectory, residuals = run(target)
     prop = "invariant measure (smoke)"
+    with self.calling(prop, "cola_ud's steps and the constraint state's residual(param)"):
+      trajectory, residuals, trained = self.noisy_run(w, key)
     # params + updates rounds once more than the step's own point: an eps of the leaf's size, relative to it.
     self.at_most(
       prop,
@@ -329,15 +389,45 @@ class _Check:
       self.fail(prop, "the noisy run's means or variances are not finite")
     if not np.max(variance) > 0:
       self.fail(prop, "the noisy run does not move the leaf")
+    params, state = trained
+    with self.calling(prop, "constraint_residuals on the trained state (the constraint state's residual)"):
+      reported = constraint_residuals(params, state)
+    self.at_most(
+      prop,
+      "constraint_residuals of the trained state",
+      np.nan_to_num(np.asarray(reported, np.float64), nan=np.inf),
+      self.residual_bound + 2 * self.eps,
+    )
+
+  def noisy_run(self, w, key):
+    c = self.c
+    tx = cola_ud(0.1, friction=1.0, temperature=_TEMPERATURE, key=key, constraints=c)
+    target = jnp.asarray(w)
+
+    def step(carry, _):
+      params, state = carry
+      updates, state = tx.update(params - target, state, params)
+      params = params + updates
+      aux = state.constraint_states  # pyright: ignore[reportAttributeAccessIssue]  (cola_ud's state)
+      # As constraint_residuals reads it: the state's own residual where it has one (the transforms keep any other
+      # state beside its constraint), else the constraint's.
+      return (params, state), (params, aux.residual(params) if hasattr(aux, "residual") else c.residual(params, aux))
+
+    @jax.jit
+    def run(params):
+      trained, (trajectory, residuals) = jax.lax.scan(step, (params, tx.init(params)), length=_STEPS)
+      return trajectory, residuals, trained
+
+    return run(target)
 
   def check_eager(self, x, s):
     c, h = self.c, s["h"]
-    with jax.disable_jit():
+    prop = "jit equals eager"
+    with self.calling(prop, "init, point, cotangent, a_step, unpack"), jax.disable_jit():
       q = c.point(x, c.init(x))
       q1, p1 = c.a_step(q, c.cotangent(q, s["v"]), h)
       eager = (c.unpack(q, x)[0], c.unpack(q1, x)[0], p1)
     compiled = (s["w"], s["w1"], s["p1"])
-    prop = "jit equals eager"
     for name, a, b, slack in zip(("start", "A step's point", "A step's momentum"), compiled, eager, (1, 1, float(h))):
       for ca, eb in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         ca, eb = np.asarray(ca, np.float64), np.asarray(eb, np.float64)
@@ -355,6 +445,33 @@ class _Check:
       self.fail("NaN shows", "an A step with a NaN momentum gives a finite point and momentum: the NaN goes unseen")
 
 
+def _methods_in_traceback(c: Constraint, traceback) -> list[str]:
+  """The constraint methods a traceback passes through, outermost first (``Circle.project`` for another's)."""
+  names = []
+  while traceback is not None:
+    frame = traceback.tb_frame
+    owner, name = frame.f_locals.get("self"), frame.f_code.co_name
+    if isinstance(owner, Constraint) and callable(getattr(type(owner), name, None)):
+      names.append(name if owner is c else f"{type(owner).__name__}.{name}")
+    traceback = traceback.tb_next
+  return names
+
+
+def _point_and_vector(c: Constraint, x, key):
+  q = c.point(x, c.init(x))
+  return q, c.ambient_normal(key, q)
+
+
+def _shapes(tree):
+  return jax.tree.map(lambda a: tuple(a.shape), tree)
+
+
+def _same_shapes(a, b) -> bool:
+  return jax.tree.structure(a) == jax.tree.structure(b) and all(
+    x.shape == y.shape for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
+
+
 def _adjoint_of_ambient_gradient(c: Constraint, q, x):
   """The leaf-shaped part of an ambient vector: the adjoint of the linear ``grad -> ambient_gradient(q, grad)``."""
   _, pullback = jax.vjp(lambda g: c.ambient_gradient(q, g), jnp.zeros_like(x))
@@ -370,9 +487,12 @@ def _scaled(a, factor):
 
 
 def _dot(a, b):
-  return sum(
-    jnp.sum(x.astype(jnp.float32) * y.astype(jnp.float32)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
-  )
+  """``<a, b>`` over every array of two trees, in their dtype (at least float32: float64 stays float64)."""
+  total = 0
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    dtype = jnp.promote_types(jnp.promote_types(x.dtype, y.dtype), jnp.float32)
+    total = total + jnp.sum(x.astype(dtype) * y.astype(dtype))
+  return total
 
 
 def _norm(a):

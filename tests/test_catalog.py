@@ -143,9 +143,13 @@ def test_nearest_points():
   # Entries more than 1 % of the half-width r = 0.3 inside stay (to rounding); the others start 0.01 r inside.
   expected = np.clip(np.asarray(w), -0.1 + 0.003, 0.5 - 0.003)
   np.testing.assert_allclose(cola.Box(-0.1, 0.5).nearest(w), expected, atol=3e-8)
-  np.testing.assert_array_equal(cola.NonNegative().nearest(w), jnp.maximum(w, 0.0))
+  # NonNegative: a weight at or below 0 starts where the parabola's tangent is as steep as the circle's at 0.99 r.
+  lifted = np.where(np.asarray(w) <= 0, (math.sqrt(1 - 0.99**2) / 0.99 / 2) ** 2, np.asarray(w))
+  np.testing.assert_allclose(cola.NonNegative().nearest(w), lifted, rtol=1e-6)
   state = cola.NonNegative().init(w)
-  np.testing.assert_allclose(state.slack, np.sqrt(np.maximum(w, 0)), rtol=1e-7)  # sqrt is correctly rounded (IEEE)
+  np.testing.assert_allclose(state.slack, np.sqrt(lifted), rtol=1e-6)
+  slack = np.asarray(state.slack, np.float64)  # 2 s / sqrt(1 + 4 s^2) = sqrt(1 - 0.99^2) at the lifted start
+  np.testing.assert_allclose(2 * slack[:3] / np.sqrt(1 + 4 * slack[:3] ** 2), math.sqrt(1 - 0.99**2), rtol=1e-6)
   kernel = jnp.array([[3.0, 0.0, -1.0], [4.0, 0.0, 1e-30]])  # a zero column, a tiny one
   near = np.asarray(cola.UnitNorm(2.0).nearest(kernel), np.float64)
   np.testing.assert_allclose(near[:, 0], [1.2, 1.6], rtol=1e-6)

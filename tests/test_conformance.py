@@ -8,6 +8,7 @@ the check must name the property that the broken method violates.
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import pytest
 from _constraints import CASES, params
@@ -20,6 +21,15 @@ from cola_jax.testing import check_constraint
 @pytest.mark.parametrize(("constraint", "shape"), params())
 def test_the_built_in_constraints_conform(constraint, shape):
   check_constraint(constraint, shape)
+
+
+@pytest.mark.parametrize(
+  ("constraint", "shape"), params(quick={"circle", "non_negative", "orthogonal", "max_spectral_norm", "implicit"})
+)
+def test_the_built_in_constraints_conform_in_float64(constraint, shape):
+  """Every comparison in float64 against float64's bound (an inner product in float32 once failed them all)."""
+  with jax.enable_x64(True):
+    check_constraint(constraint, shape, dtype=jnp.float64)
 
 
 def test_the_registry_has_every_constraint_of_the_library():

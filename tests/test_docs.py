@@ -112,6 +112,26 @@ def _custom_constraint(ns):
   assert float(ns["ud_loss"]) < 1e-3 * start_loss and float(ns["adam_loss"]) < 1e-3 * start_loss
 
 
+def _simplex(ns):
+  # check_constraint's rounding bound for the 2 x 4 leaf, then params + updates.
+  bound = 2 * (8 + 2) * float(jnp.finfo(jnp.float32).eps)
+  target = ns["probabilities"]
+  for params, residual in ns["simplex_fits"]:
+    w = params["w"]
+    assert float(residual) <= bound and bool(jnp.all(w >= 0))
+    assert float(jnp.max(jnp.abs(w.sum(axis=-1) - 1))) <= bound
+    assert float(jnp.max(jnp.abs(w - target))) < 2e-3  # the one-hot row left its corner
+
+
+def _ball(ns):
+  bound = 2 * (8 + 2) * float(jnp.finfo(jnp.float32).eps)  # the 2 x 3 leaf and its two slacks
+  target = ns["ball_target"]
+  nearest = target * jnp.minimum(1, 0.5 / jnp.linalg.norm(target, axis=-1, keepdims=True))
+  for params, residual in ns["ball_fits"]:
+    assert float(residual) <= bound
+    assert float(jnp.max(jnp.abs(params["w"] - nearest))) < 2e-3
+
+
 def _from_sgd_momentum(ns):
   assert ns["h"] == pytest.approx(0.1**0.5) and ns["gamma"] == pytest.approx(-jnp.log(0.9) / 0.1**0.5)
 
@@ -157,6 +177,8 @@ CLAIMS = {  # a line of a block -> the check of what its comments say
   "more = cola.sampling.sample_chain(step, chain.state": _sampling_resumed,
   "observed = run(init(params), jax.random.key(4))": _sampling_observed,
   "free_log_probs = cola.sampling.posterior_predictive(": _blackjax_sgld,
+  "simplex_fits = [fit(tx, simplex_loss, one_hot_start)": _simplex,
+  "ball_fits = [": _ball,
 }
 WITH_CODE = [p for p in PAGES if _blocks(p)]
 

@@ -331,7 +331,7 @@ def test_rayleigh_quotient_on_the_stiefel_manifold_finds_the_smallest_eigenvecto
 ZERO_STARTS = {
   **{
     c: CATALOG[c]._replace(start=np.zeros_like(CATALOG[c].start))
-    for c in ("none", "circle", "box", "max_norm", "unit_norm", "implicit")
+    for c in ("none", "circle", "box", "non_negative", "max_norm", "unit_norm", "implicit")
   },
   # One unit: the whole vector is normed. A zero unit starts at r (1, ..., 1) / sqrt(n) (UnitNorm's docstring).
   "unit_norm_vector": Problem(cola.UnitNorm(1.0, axis=0), np.zeros(3), _VECTOR, _VECTOR / np.linalg.norm(_VECTOR)),
@@ -348,8 +348,9 @@ ZERO_COMBOS = [(n, c) for n in GENERAL for c in ZERO_STARTS] + [("c_cola_od", "c
 def test_converges_from_zeros(name, cname):
   """optax starts Rosenbrock at (0, 0): every constraint whose projection of 0 is defined, started there.
 
-  (NonNegative is left out: its slack is 0 at 0, where the gradient vanishes in
-  the slack coordinates, and without noise nothing leaves it.)
+  (NonNegative's slack would be 0 at 0, where the gradient vanishes in the
+  slack coordinates and without noise nothing leaves it: it starts at its
+  ``START`` instead.)
   """
   problem = ZERO_STARTS[cname]
   tx = make(name, problem.constraint, lr=0.02, adaptive_lr=0.1, steps=500)

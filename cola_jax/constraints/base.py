@@ -95,6 +95,10 @@ class Constraint(abc.ABC):
   * standard normal ambient vectors for the noise, by default
     ``jax.random.normal`` for each array of the point.
 
+  A point, a momentum and an ambient vector may be any pytree of arrays
+  (a slack constraint's tuple ``(x, s)``): every map applies arithmetic to
+  them leaf by leaf.
+
   So a constraint without slack variables writes two methods,
   :meth:`project` and :meth:`cotangent`; every other method has a default
   built on them. Its point is then the leaf itself, re-established each
@@ -130,17 +134,25 @@ class Constraint(abc.ABC):
     [ 0.495 -0.2  ]
   """
 
-  # Whether CoLA-ud's O and B steps project the noise and the force onto the
-  # cotangent space together (the projection is linear): worth it where a
-  # projection costs products or a solve, not where the noise is drawn in
-  # cotangent coordinates directly.
   project_noise_with_force: ClassVar[bool] = False
-  # How momenta (and the tangent vectors of :func:`~cola_jax.constrained`) are
-  # stored: "ambient", as vectors of the ambient space whose tangent part
-  # ``cotangent`` takes; "frame", as coordinates in an orthonormal frame of the
-  # tangent space (tangent whatever their values; :meth:`momentum_vector`
-  # gives the ambient vector).
+  """Whether CoLA-ud's O and B steps project the noise and the force onto the cotangent space in one call.
+
+  The projection is linear, so ``Pi(q)(sigma R - h grad)`` is the same
+  momentum up to rounding as two projections. Worth it (``True``) where a
+  projection costs products or a solve; not where the noise is drawn in
+  cotangent coordinates directly (:meth:`cotangent_draw`). Default ``False``.
+  """
+
   momentum_coordinates: ClassVar[str] = "ambient"
+  """How momenta (and the tangent vectors of :func:`~cola_jax.constrained`) are held.
+
+  ``"ambient"`` (the default): vectors of the ambient space, shaped like the
+  point, whose tangent part :meth:`cotangent` takes. ``"frame"``: coordinates
+  in an orthonormal frame of the tangent space, tangent whatever their values
+  (:meth:`cotangent` returns them, :meth:`momentum_vector` maps them to the
+  ambient vector); :func:`~cola_jax.testing.check_constraint` then checks
+  that the frame is orthonormal.
+  """
 
   # What every constraint writes.
 
@@ -194,8 +206,10 @@ class Constraint(abc.ABC):
     By default how far re-establishing the point moves the parameter,
     relative to its largest entry, ``max |x - P(x)| / max |x|`` with ``P`` the
     projection of :meth:`point`, computed in at least float32 (NaN shows as
-    ``inf``). A constraint given by a function ``g`` of order one returns
-    ``max |g(x)|`` instead.
+    ``inf``). This checks the projection only against itself: a consistent
+    projection onto the wrong set passes it (and
+    :func:`~cola_jax.testing.check_constraint` says so). A constraint given by
+    a function ``g`` of order one returns ``max |g(x)|`` instead.
     """
     dtype = jnp.promote_types(param.dtype, jnp.float32)  # float64 stays float64
     x = param.astype(dtype)
@@ -203,14 +217,33 @@ class Constraint(abc.ABC):
     return max_abs(moved - x) / jnp.maximum(max_abs(x), jnp.finfo(dtype).tiny)
 
   def nearest(self, param: jax.Array) -> jax.Array:
-    """The parameter value on the manifold that the first update would start from."""
+    """The parameter value on the manifold that the first update would start from.
+
+    By default ``unpack(point(param, init(param)), param)[0]``, compiled once
+    per shape: whatever :meth:`init` and :meth:`point` make of a new leaf. A
+    start where no force reaches the point (a slack at 0, where the loss
+    gradient has no tangent part) should be moved by them to where one does:
+    :class:`~cola_jax.Circle` starts at most at 0.99 of its bound,
+    :class:`~cola_jax.NonNegative` lifts a weight at or below 0.
+    """
     return _compiled.call(_nearest_from_itself, (self,), param)
 
   def ambient_gradient(self, point: Point, grad: jax.Array) -> Any:
-    """The loss gradient as a vector of the ambient space (zero on slacks).
+    """The loss gradient as a vector of the ambient space (zero on slacks), shaped like the point.
 
-    By default the gradient itself (the point is the leaf).
+    By default the gradient itself, for a point that is the leaf (one array
+    of its shape). A point of another structure (a slack constraint's
+    ``(x, s)``) must override it: the default then raises a ``TypeError``
+    naming this method, at trace time.
     """
+    leaves = jax.tree.leaves(point)
+    if jax.tree.structure(point) != jax.tree.structure(grad) or leaves[0].shape != jnp.shape(grad):
+      shapes = jax.tree.map(jnp.shape, point)
+      raise TypeError(
+        f"{self!r}.ambient_gradient: the point (shapes {shapes}) is not the leaf (shape {jnp.shape(grad)}), so the "
+        "default (the gradient itself) does not apply: override ambient_gradient(point, grad) to return the loss "
+        "gradient shaped like the point (zero on the slacks)."
+      )
     return grad
 
   def ambient_normal(self, key: jax.Array, point: Point) -> Any:
@@ -259,19 +292,35 @@ class Constraint(abc.ABC):
     """
     return self.cotangent(point, draw)
 
-  def zero_momentum(self, param: jax.Array) -> jax.Array:
-    """The stored form of a zero momentum for the leaf."""
-    return jnp.zeros_like(param)
+  def zero_momentum(self, param: jax.Array) -> Any:
+    """The stored form of a zero momentum for the leaf.
 
-  def load_momentum(self, stored: jax.Array) -> Momentum:
-    """The momentum in the geometry's coordinates from its stored form.
+    By default zeros shaped like :meth:`store_momentum` of :meth:`cotangent`'s
+    output for an ambient vector at the point of ``param`` (by
+    :func:`jax.eval_shape`, nothing computed): the point's structure in
+    ambient coordinates (a tuple ``(x, s)`` for a slack constraint), the
+    frame's in ``"frame"`` coordinates. Arrays shaped like the leaf keep its
+    sharding.
+    """
 
-    By default the momentum is stored as it is, shaped like the leaf.
+    def stored_momentum(p):
+      q = self.point(p, self.init(p))
+      return self.store_momentum(self.cotangent(q, self.ambient_normal(jax.random.key(0), q)), p)
+
+    shapes = jax.eval_shape(stored_momentum, param)
+    return jax.tree.map(
+      lambda a: jnp.zeros_like(param, a.dtype) if a.shape == param.shape else jnp.zeros(a.shape, a.dtype), shapes
+    )
+
+  def load_momentum(self, stored: Any) -> Momentum:
+    """The momentum in the geometry's coordinates from its stored form (:meth:`zero_momentum`'s structure).
+
+    By default the momentum is stored as it is (any pytree of arrays).
     """
     return stored
 
-  def store_momentum(self, momentum: Momentum, param: jax.Array) -> jax.Array:
-    """The stored form of a momentum (shaped like the leaf)."""
+  def store_momentum(self, momentum: Momentum, param: jax.Array) -> Any:
+    """The stored form of a momentum, the inverse of :meth:`load_momentum`; by default the momentum itself."""
     return momentum
 
   def a_step(self, point: Point, momentum: Momentum, h) -> tuple[Point, Momentum]:

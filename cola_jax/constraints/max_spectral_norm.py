@@ -230,6 +230,11 @@ class MaxSpectralNorm(Constraint):
       _axes.warn_if_ambiguous("MaxSpectralNorm constraint", param.shape, path, spell)
 
   @property
+  def tolerance(self) -> float:
+    """The residual its projection may leave: :class:`~cola_jax.Orthogonal`'s ``tolerance``, on ``[W; S]``."""
+    return self._stiefel.tolerance
+
+  @property
   def _stiefel(self) -> Orthogonal:
     """The geometry of the stacked ``[W; S]``, ``(n + s, s)`` or ``(b, n + s, s)``: the scaled Stiefel manifold.
 

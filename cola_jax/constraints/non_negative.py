@@ -87,6 +87,7 @@ References:
 """
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
@@ -97,9 +98,18 @@ from cola_jax import _noise
 from cola_jax._numerics import explicit_sharding, max_abs
 from cola_jax._platform import computed_together
 from cola_jax.constraints.base import Constraint
+from cola_jax.constraints.circle import START_INSIDE
 
 # Newton iterations of the projection after its start (see the module docstring).
 _NEWTON_ITERATIONS = 5
+# Where a weight at or below 0 starts: the slack s = tan(phi) / 2, where the parabola's tangent (2 s, 1) makes the
+# angle phi with the slack axis that the circle's tangent makes at its start, cos(phi) = START_INSIDE.
+START = (math.sqrt(1 - START_INSIDE**2) / START_INSIDE / 2) ** 2
+
+
+def _lifted(param):
+  """The weight, ``START`` where it is at or below 0 (NaN stays NaN)."""
+  return jnp.where(param <= 0, jnp.asarray(START, param.dtype), param)
 
 
 class NonNegativeState(NamedTuple):
@@ -108,8 +118,8 @@ class NonNegativeState(NamedTuple):
   Example:
     >>> import jax.numpy as jnp, cola_jax as cola
     >>> tx = cola.cola_od(0.1, constraints=cola.NonNegative())
-    >>> tx.init(jnp.array([0.25, 4.0, -1.0])).constraint_states  # sqrt(w), 0 below 0
-    NonNegativeState(slack=Array([0.5, 2. , 0. ], dtype=float32))
+    >>> tx.init(jnp.array([0.25, 4.0, -1.0])).constraint_states  # sqrt(w); sqrt(START) at or below 0
+    NonNegativeState(slack=Array([0.5       , 2.        , 0.07124614], dtype=float32))
   """
 
   slack: jax.Array  # s, shaped like the weight: w = s^2
@@ -184,9 +194,14 @@ def _nearest_abs_slack(m, beta, guess):
 class NonNegative(Constraint):
   """``w >= 0`` entrywise, exactly, as ``w = s^2`` with a slack ``s``.
 
-  No upper bound and no hyperparameter. Weights that start negative are set
-  to 0 by the first update; the slack starts at ``+sqrt(w)`` and changes sign
-  when the weight passes through 0. The parameter is always ``s * s``, so it
+  No upper bound and no hyperparameter. A weight at or below 0 is lifted to
+  ``START = 0.00508`` by its update: at ``w = 0`` the slack is 0, the
+  parabola's tangent is the slack's direction, no force reaches it, and the
+  weight would never leave 0; at ``START`` the tangent makes the angle with
+  the slack axis that :class:`~cola_jax.Circle`'s does at its start, 0.99 of
+  its bound (``2 s / sqrt(1 + 4 s^2) = sqrt(1 - 0.99^2)``). Weights above 0
+  stay; the slack starts at ``+sqrt(w)`` and changes sign when the weight
+  passes through 0 (a trained weight is 0 only where ``s * s`` underflows). The parameter is always ``s * s``, so it
   is never negative, and the loss (or weight decay) must keep it from growing
   without bound when ``tau > 0``. See the module docstring for the
   projection, the RATTLE A step (and its one failure mode, a rejected step)
@@ -194,8 +209,8 @@ class NonNegative(Constraint):
 
   Example:
     >>> import jax.numpy as jnp, cola_jax as cola
-    >>> cola.NonNegative().nearest(jnp.array([-1.0, 0.5]))  # where the first update starts
-    Array([0. , 0.5], dtype=float32)
+    >>> cola.NonNegative().nearest(jnp.array([-1.0, 0.0, 0.5]))  # where the first update starts
+    Array([0.00507601, 0.00507601, 0.5       ], dtype=float32)
     >>> # An input-convex layer: non-negative weights on the hidden path.
     >>> tx = cola.cola_ud(0.1, friction=1.0,
     ...                   constraints={'w_hidden': cola.NonNegative(), 'w_in': None, 'b': None})
@@ -204,11 +219,11 @@ class NonNegative(Constraint):
   momentum_coordinates = "frame"  # the coordinate along the parabola's unit tangent
 
   def init(self, param):
-    return NonNegativeState(slack=jnp.sqrt(jnp.maximum(param, 0)))
+    return NonNegativeState(slack=jnp.sqrt(_lifted(param)))
 
   def point(self, param, aux):
     # The weight is the truth, the stored slack gives the branch s = +-sqrt(w).
-    w = jnp.maximum(param, 0)
+    w = _lifted(param)
     root = jnp.sqrt(w)
     return w, jnp.where(aux.slack < 0, -root, root)
 

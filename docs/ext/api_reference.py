@@ -29,6 +29,7 @@ GROUPS = {  # section title -> the modules (prefixes of ``__module__``) whose pu
   "The Langevin steps": ("cola_jax.langevin",),
   "Checking a constraint": ("cola_jax.testing",),
   "Sampling the posterior": ("cola_jax.sampling",),
+  "Guards for a constraint's own factorisations": ("cola_jax._platform",),
 }
 MORE = "More"
 # Classes whose methods are part of what a user calls or implements; the others show their docstring only.
