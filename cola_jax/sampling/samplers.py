@@ -63,7 +63,7 @@ class UnderdampedSamplerState(NamedTuple):
   position: Any
   momentum: Any
   constraint_states: Any
-  count: jax.Array
+  count: jax.Array  # pyright: ignore[reportIncompatibleMethodOverride]  (steps taken, as optax names it)
 
 
 def _check_step_arguments(owner: str, step_size, temperature) -> None:
