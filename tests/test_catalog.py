@@ -269,7 +269,7 @@ def test_non_negative_rattle_without_solution_is_rejected_and_reversed():
 
 
 def test_non_negative_b_step_and_noise_are_tangential():
-  s = np.array([-0.7, 0.0, 0.4], np.float32)
+  s = np.array([-0.7, 0.05, 0.4], np.float32)  # (at s = 0 the point is lifted: NonNegative.START)
   c, point = _parabola_point(s)
   g = jnp.array([2.0, -1.0, 0.5])
   kicked = langevin.b_step(c, point, jnp.zeros(3), g, 0.3)
