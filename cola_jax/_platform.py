@@ -176,7 +176,7 @@ def one_matrix_at_a_time(fn: Callable) -> Callable:
 
   For a constraint of your own whose methods factorise matrices (``eigh``,
   ``svd``, ``qr``, Cholesky, LU, a solve): wrap the factorisation, as the
-  library's constraints do. jaxlib 0.10.2's CPU LAPACK kernels split a batch
+  library's constraints do. jaxlib's CPU LAPACK kernels (as of 0.10.2) split a batch
   of large matrices into tasks on XLA:CPU's intra-op thread pool and block
   the pool thread that runs them until the tasks are done; with every pool
   thread blocked so, no thread is left to run the tasks, and the program
