@@ -23,9 +23,7 @@ def test_the_built_in_constraints_conform(constraint, shape):
   check_constraint(constraint, shape)
 
 
-@pytest.mark.parametrize(
-  ("constraint", "shape"), params(quick={"circle", "non_negative", "orthogonal", "max_spectral_norm", "implicit"})
-)
+@pytest.mark.parametrize(("constraint", "shape"), params(quick={"circle"}))
 def test_the_built_in_constraints_conform_in_float64(constraint, shape):
   """Every comparison in float64 against float64's bound (an inner product in float32 once failed them all)."""
   with jax.enable_x64(True):

@@ -78,6 +78,7 @@ def check_tempered_gaussian(temperature, num_chains, num_samples, thinning, step
   assert abs(float(sampling.potential_scale_reduction(samples)) - 1) < 0.01
 
 
+@pytest.mark.slow  # the quick law: tests/test_sampling.py runs blackjax sgld beside cola's sampler
 def test_blackjax_sgld_samples_the_tempered_gaussian():
   check_tempered_gaussian(1.0, num_chains=32, num_samples=500, thinning=4, step_size=0.01, tolerance=0.05)
 

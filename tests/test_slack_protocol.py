@@ -78,7 +78,7 @@ def test_the_momentum_defaults_follow_the_point():
   np.testing.assert_allclose(radial, 0.0, atol=1e-6)  # the O step's momentum is tangent, row by row
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.float64, marks=pytest.mark.slow)])
 def test_a_slack_constraint_with_a_tuple_point_conforms(dtype):
   with jax.enable_x64(dtype == jnp.float64):
     check_constraint(BALL, (4, 3), dtype=dtype)
