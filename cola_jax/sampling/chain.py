@@ -1,4 +1,4 @@
-r"""Sample collection: a chain of any blackjax-shaped sampler run under ``jax.lax.scan``, storing only what is asked.
+r"""Sample collection: a chain of any blackjax-shaped sampler run as one JAX loop, storing only what is asked.
 
 A sampler is blackjax's pair ``(init, step)``: ``init(position) -> state`` and
 ``step(rng_key, state, minibatch, step_size, temperature) -> state`` (or
@@ -95,7 +95,7 @@ class _Options(NamedTuple):
 
 
 def _run(step, state, key, minibatch, start, options: _Options):
-  """The chain as one scan: (samples, last state)."""
+  """The chain as one loop: (samples, last state)."""
   report = _progress.progress(options.total) if options.progress_bar else _progress.silent
   observable = options.observable
   observe = _position if observable is None else lambda s: observable(_position(s))
@@ -170,7 +170,7 @@ def sample_chain(
   r"""Runs a chain of a sampler and stores its thinned positions, or observables of them.
 
   The chain takes ``num_burnin`` steps, then ``num_samples`` times ``thinning`` steps, storing after each
-  ``thinning`` steps the position (or ``observable(position)``). All of it is one ``jax.lax.scan``: jit it,
+  ``thinning`` steps the position (or ``observable(position)``). All of it is one loop (``jax.lax.fori_loop``): jit it,
   vmap it over keys and starts (or call :func:`sample_chains`). Memory is that of the stored samples and one
   state: nothing grows with ``num_burnin`` or ``thinning``.
 
