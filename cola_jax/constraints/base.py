@@ -307,7 +307,8 @@ class Constraint(abc.ABC):
       q = self.point(p, self.init(p))
       return self.store_momentum(self.cotangent(q, self.ambient_normal(jax.random.key(0), q)), p)
 
-    shapes = jax.eval_shape(stored_momentum, param)
+    # Shapes only: traced without the leaf's sharding, which a geometry's reshapes need not support.
+    shapes = jax.eval_shape(stored_momentum, jax.ShapeDtypeStruct(jnp.shape(param), jnp.result_type(param)))
     return jax.tree.map(
       lambda a: jnp.zeros_like(param, a.dtype) if a.shape == param.shape else jnp.zeros(a.shape, a.dtype), shapes
     )

@@ -40,14 +40,28 @@ from cola_jax.langevin import SPLITTINGS, Splitting
 
 
 class SamplingAlgorithm(NamedTuple):
-  """A sampler as ``blackjax.base.SamplingAlgorithm``: ``init(position)``, ``step(rng_key, state, minibatch, ...)``."""
+  """A sampler as ``blackjax.base.SamplingAlgorithm``: ``init(position)``, ``step(rng_key, state, minibatch, ...)``.
+
+  Example:
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> init, step = cola.sampling.overdamped(lambda q, batch: -q)  # unpacks as blackjax's algorithms do
+    >>> init(jnp.ones(2)).position
+    Array([1., 1.], dtype=float32)
+  """
 
   init: Any
   step: Any
 
 
 class OverdampedSamplerState(NamedTuple):
-  """State of :func:`overdamped`: the position (on its manifold) and each leaf's constraint state."""
+  """State of :func:`overdamped`: the position (on its manifold) and each leaf's constraint state.
+
+  Example:
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> state = cola.sampling.overdamped(lambda q, batch: -q, constraints=cola.Circle(0.5)).init(jnp.array([0.3, 0.0]))
+    >>> state.constraint_states.slack  # |w| <= 0.5: the slack sqrt(0.5**2 - w**2) beside the position
+    Array([0.4, 0.5], dtype=float32)
+  """
 
   position: Any
   constraint_states: Any
@@ -58,6 +72,12 @@ class UnderdampedSamplerState(NamedTuple):
 
   The count tells the first call of a splitting, which has no previous step to finish (see
   :class:`~cola_jax.Splitting`).
+
+  Example:
+    >>> import jax.numpy as jnp, cola_jax as cola
+    >>> state = cola.sampling.underdamped(lambda q, batch: -q, friction=1.0).init({'w': jnp.ones(2)})
+    >>> state.momentum, state.count  # at rest, no step taken
+    ({'w': Array([0., 0.], dtype=float32)}, Array(0, dtype=int32))
   """
 
   position: Any
