@@ -451,3 +451,15 @@ class Splitting:
 
 
 SPLITTINGS = {"OBA": Splitting("OBA"), "BAOAB": Splitting("BAOAB")}
+
+
+def splitting_named(owner: str, splitting) -> Splitting:
+  """The :class:`Splitting` that ``splitting`` names (a key of ``SPLITTINGS``) or is; ``owner`` names the caller."""
+  if isinstance(splitting, Splitting):
+    return splitting
+  if isinstance(splitting, str) and splitting in SPLITTINGS:
+    return SPLITTINGS[splitting]
+  raise ValueError(
+    f"{owner}: splitting must be one of {tuple(SPLITTINGS)} or a cola.Splitting (such as "
+    f"cola.Splitting('OBABO')), got {splitting!r}."
+  )

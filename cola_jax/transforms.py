@@ -39,7 +39,7 @@ from cola_jax._engine import Driver, check_state_type
 from cola_jax._hyperparameters import caller, check_floating_dtype, check_nonnegative, check_positive
 from cola_jax._numerics import concrete_float, is_prng_key
 from cola_jax._tree import NOT_PARAMS, ConstraintSpec, is_params_placeholder, without_variables
-from cola_jax.langevin import SPLITTINGS, Splitting
+from cola_jax.langevin import Splitting, splitting_named
 
 
 class OverdampedState(NamedTuple):
@@ -246,18 +246,6 @@ def cola_od(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
-def _splitting(owner: str, splitting) -> Splitting:
-  """The :class:`~cola_jax.langevin.Splitting` that ``splitting`` names (or is)."""
-  if isinstance(splitting, Splitting):
-    return splitting
-  if isinstance(splitting, str) and splitting in SPLITTINGS:
-    return SPLITTINGS[splitting]
-  raise ValueError(
-    f"{owner}: splitting must be one of {tuple(SPLITTINGS)} or a cola.Splitting (such as "
-    f"cola.Splitting('OBABO')), got {splitting!r}."
-  )
-
-
 def _momentum_or_friction(owner: str, friction, momentum) -> bool:
   """Checks that exactly one of ``friction`` and ``momentum`` is given; True for ``momentum`` (optax.sgd's terms)."""
   if (friction is None) == (momentum is None):
@@ -381,7 +369,7 @@ def cola_ud(
   from_sgd = _momentum_or_friction(owner, friction, momentum)
   gamma = 0.0 if friction is None else friction
   noisy = _check_hyperparameters(owner, learning_rate, temperature, key)
-  splitting = _splitting(owner, splitting)
+  splitting = splitting_named(owner, splitting)
   momentum_dtype = check_floating_dtype(owner, "momentum_dtype", momentum_dtype)
   driver = Driver(owner, constraints, free=free)
 

@@ -242,6 +242,19 @@ def test_non_negative_rattle_step():
   np.testing.assert_allclose(-np.asarray(v_back), v, rtol=1e-12)
 
 
+def test_non_negative_rattle_keeps_float32_digits_for_huge_momenta():
+  """A momentum of 1e29 moves the slack to 1e14 in float32 as in float64 (``p_s - 2 s mu`` cancelled to 5e20)."""
+  s0 = np.array([-0.7, 0.05, 0.73, 2.0, 0.73, -1.3], np.float32)
+  v = np.array([1e29, -1e29, 1e29, 1e20, 1e10, -1e25], np.float32)
+  c = cola.NonNegative()
+  (w32, s32), v32 = jax.jit(c.a_step)((jnp.asarray(s0 * s0), jnp.asarray(s0)), jnp.asarray(v), 0.1)
+  with jax.enable_x64(True):
+    s64 = s0.astype(np.float64)
+    (w64, s64), v64 = c.a_step((jnp.asarray(s64 * s64), jnp.asarray(s64)), jnp.asarray(v, np.float64), 0.1)
+  for got, want in ((w32, w64), (s32, s64), (v32, v64)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
+
+
 def test_non_negative_rattle_is_second_order():
   """Against the exact free flight (arc length h v), the one-step error falls 8x per halving."""
   s0 = np.linspace(-1.5, 1.5, 13)

@@ -10,9 +10,6 @@ variants:
 
 * ``admm_gap_<tol>``: :func:`cola_jax.stiefel_direction.steepest_tangent_direction`
   stopped at a certified gap ``tol`` (its iterations and gap recorded);
-* ``admm_gap_<tol>_warm``: the same, its ADMM started from the multiplier
-  that the last step's solve of the kernel ended with (a warm start;
-  ``manifold_muon``'s state does not carry it yet);
 * ``admm_<k>_iterations``: the same ADMM stopped after ``k`` iterations;
 * ``projected_msign``: ``P_T(msign(d))`` scaled to unit spectral norm, the
   direction of ``cola.constrained(optax.contrib.muon)`` (its update is
@@ -53,7 +50,7 @@ from benchmarks.comparisons.muon_protocol import (
 )
 from benchmarks.harness.records import write_report
 from benchmarks.harness.train import SOFTMAX, seed_keys
-from cola_jax.stiefel_direction import _steepest_tangent_direction, steepest_tangent_direction
+from cola_jax.stiefel_direction import steepest_tangent_direction
 
 MOMENTUM = 0.95
 LEARNING_RATE = 0.1
@@ -70,36 +67,26 @@ def _unit_tangent(w, x):
   return t / jnp.linalg.norm(t, 2)
 
 
-def variants(gap_tolerances, warm_tolerances, iteration_counts) -> dict:
-  """name: a function ``(w, d, multiplier) -> (A, iterations, certified gap or NaN, multiplier)``; the
-  warm variants start from the multiplier their last call returned, the others ignore it."""
+def variants(gap_tolerances, iteration_counts) -> dict:
+  """name: a function ``(w, d) -> (A, iterations, certified gap or NaN)``."""
   nan = jnp.array(jnp.nan)
 
   def admm(tolerance, max_iterations):
-    def direction(w, d, multiplier):
+    def direction(w, d):
       a, info = steepest_tangent_direction(w, d, tolerance=tolerance, max_iterations=max_iterations)
-      return a, info.iterations, info.gap, multiplier
-
-    return direction
-
-  def warm_admm(tolerance, max_iterations):
-    # The ADMM's start and end multipliers are no argument or output of the public function.
-    def direction(w, d, multiplier):
-      a, info, multiplier = _steepest_tangent_direction(w, d, tolerance, max_iterations, multiplier)
-      return a, info.iterations, info.gap, multiplier
+      return a, info.iterations, info.gap
 
     return direction
 
   out = {f"admm_gap_{tol:g}": admm(tol, 5000) for tol in gap_tolerances}
-  out.update({f"admm_gap_{tol:g}_warm": warm_admm(tol, 5000) for tol in warm_tolerances})
   # A tolerance below float32's certificates: it runs k iterations.
   out.update({f"admm_{k}_iterations": admm(1e-12, k) for k in iteration_counts})
 
-  def projected_msign(w, d, multiplier):
-    return _unit_tangent(w, _msign(d)), jnp.zeros((), jnp.int32), nan, multiplier
+  def projected_msign(w, d):
+    return _unit_tangent(w, _msign(d)), jnp.zeros((), jnp.int32), nan
 
-  def spel(w, d, multiplier):
-    return _unit_tangent(w, _msign(_unit_tangent(w, d))), jnp.zeros((), jnp.int32), nan, multiplier
+  def spel(w, d):
+    return _unit_tangent(w, _msign(_unit_tangent(w, d))), jnp.zeros((), jnp.int32), nan
 
   return {**out, "projected_msign": projected_msign, "spel": spel}
 
@@ -139,15 +126,13 @@ def main(argv=None) -> dict:
   args = p.parse_args(argv)
   started = time.perf_counter()
   steps = 2 if args.smoke else args.steps
-  tolerances, warm, counts = (
-    ((1e-2,), (1e-2,), (10,)) if args.smoke else ((1e-2, 1e-3, 1e-4), (1e-3,), (10, 30, 100, 300))
-  )
-  fns = {name: jax.jit(f) for name, f in variants(tolerances, warm, counts).items()}
+  tolerances, counts = ((1e-2,), (10,)) if args.smoke else ((1e-2, 1e-3, 1e-4), (10, 30, 100, 300))
+  fns = {name: jax.jit(f) for name, f in variants(tolerances, counts).items()}
   exact = jax.jit(functools.partial(steepest_tangent_direction, tolerance=args.exact_tolerance, max_iterations=10000))
   pairs = trajectory(steps, args.smoke)
   layers = list(pairs[0])
   for w, d in pairs[0].values():  # compile
-    jax.block_until_ready([f(w, d, jnp.zeros((w.shape[1],) * 2)) for f in fns.values()])
+    jax.block_until_ready([f(w, d) for f in fns.values()])
   records = {
     name: {
       "ms": [],
@@ -158,7 +143,6 @@ def main(argv=None) -> dict:
     for name in fns
   }
   exact_gaps = {k: [] for k in layers}
-  multipliers = {name: {k: jnp.zeros((w.shape[1],) * 2) for k, (w, _) in pairs[0].items()} for name in fns}
   for pair in pairs:
     best = {}
     for k, (w, d) in pair.items():
@@ -169,7 +153,7 @@ def main(argv=None) -> dict:
       total = 0.0
       for k, (w, d) in pair.items():
         t0 = time.perf_counter()
-        a, iterations, gap, multipliers[name][k] = jax.block_until_ready(f(w, d, multipliers[name][k]))
+        a, iterations, gap = jax.block_until_ready(f(w, d))
         total += time.perf_counter() - t0
         value = float(np.sum(np.float64(d) * np.float64(a)))
         r = records[name]

@@ -23,11 +23,6 @@ Usage::
   OPENBLAS_NUM_THREADS=1 python -m benchmarks.cost.update_memory       # depth 12, width 512: 30-60 min on 2 cores
   python -m benchmarks.cost.update_memory --setting leaves --leaves 4  # seconds
   python -m benchmarks.cost.update_memory --smoke                      # a 1-block model, a temporary folder
-  python -m benchmarks.cost.update_memory --without threefry           # the program an accelerator gets, on CPU
-
-``--without MECHANISM`` compiles every method without that XLA:CPU mechanism of
-``cola_jax/_platform.py`` (what a program compiled for another platform runs):
-against a run without the flag, what the mechanism buys.
 
 Writes ``--json`` (default ``update_memory.json``) under ``--out``. JSON keys:
 ``meta`` (command, date, machine, versions, the cola_jax source and its git
@@ -41,7 +36,6 @@ kernels and loops, which its compile time follows), ``targets`` (model setting:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 
@@ -55,7 +49,6 @@ from benchmarks.cost import scale
 from benchmarks.harness import report
 from benchmarks.harness.records import provenance, write_json
 from benchmarks.harness.timing import compile_cost, speed_output, speed_parser, started_run, target_lines, tree_bytes
-from cola_jax import _platform
 
 RESULT_KEYS = (
   "name",
@@ -124,8 +117,7 @@ def measure(row, setting, args) -> dict:
     step, extra = scale.training_step(setting["model"], tx), setting["tokens"]
   else:
     step, extra = leaves_step(tx), jax.tree.map(lambda p: 0.1 * p, start)
-  with _platform.plain(*args.without) if args.without else contextlib.nullcontext():
-    _, cost = compile_cost(step, start, state, extra)
+  _, cost = compile_cost(step, start, state, extra)
   return {
     "name": name,
     "family": family,
@@ -186,13 +178,6 @@ def parse_args(argv=None):
   p.add_argument("--dynamics", nargs="+", default=list(scale.DYNAMICS), choices=scale.DYNAMICS)
   p.add_argument("--temperature", type=float, default=1e-6, help="the temperature > 0 setting")
   p.add_argument("--json", default="update_memory.json", help="the results file's name under --out")
-  p.add_argument(
-    "--without",
-    nargs="+",
-    default=[],
-    choices=_platform.MECHANISMS,
-    help="compile without these XLA:CPU mechanisms (the program another platform gets)",
-  )
   args = p.parse_args(argv)
   for flag in ("depth", "width", "vocab", "leaves"):
     if getattr(args, flag) < 1:
@@ -240,7 +225,6 @@ def main(argv=None) -> dict:
     "families": args.families,
     "dynamics": args.dynamics,
     "temperature": args.temperature,
-    "without_mechanisms": args.without,
     "hyperparameters": {"h_od": scale.H_OD, "h_ud": scale.H_UD, "friction": scale.FRICTION},
     "cola_jax_source": os.path.dirname(cola.__file__),
     "cola_jax_commit": source_commit(),

@@ -54,10 +54,11 @@ root continuous at ``h = 0`` is
 
 .. math::
   \mu = h\, \eta^2, \qquad \eta = \frac{2 p_s}{n (1 + \rho)},
-  \qquad s' = s + h (p_s - 2 s \mu),
+  \qquad s' = s + h (p_s - 2 s \mu) = s + \frac{2 h p_s}{1 + \rho},
 
-and the new momentum is the tangential part of ``p + mu (1, -2 s)`` at
-``(s'^2, s')``. No iteration, no division by ``h``. The root exists iff
+the last form computed (``p_s - 2 s mu`` is a difference of two large numbers
+when ``kappa`` is large), and the new momentum is the tangential part of
+``(q' - q) / h = (s' - s) / h (s' + s, 1)`` at ``(s'^2, s')``. No iteration, no division by ``h``. The root exists iff
 ``kappa >= -1``, i.e. unless the step heads towards the vertex faster than
 the curve bends, ``h s v < -n^3 / 8``; such a step is rejected: the weight
 stays and its momentum is reversed, ``v -> -v`` (the rule that keeps a
@@ -286,17 +287,15 @@ class NonNegative(Constraint):
     v = momentum
     inverse = _inverse_length(s)
     p_s = v * inverse  # p = v (2 s, 1) / n
-    p_w = 2 * (s * inverse) * v
     kappa = 8 * h * (s * inverse) * p_s * inverse
     # NaN and -inf (an infinite momentum, not a step to reject) pass, and show.
     solvable = ~((kappa < -1) & (kappa > -jnp.inf))
     rho = jnp.sqrt(jnp.maximum(1 + kappa, 0))
-    eta = 2 * p_s * inverse / (1 + rho)
-    mu = h * eta * eta
-    velocity_s = p_s - 2 * s * mu  # (q' - q) / h = (p_w + mu, velocity_s)
+    velocity_s = 2 * p_s / (1 + rho)  # (s' - s) / h
     s_new = s + h * velocity_s
     inverse_new = _inverse_length(s_new)
-    v_new = 2 * (s_new * inverse_new) * (p_w + mu) + velocity_s * inverse_new
+    # (q' - q) / h = velocity_s (s' + s, 1); the new momentum is its coordinate along the unit tangent at q'.
+    v_new = velocity_s * (2 * (s_new * inverse_new) * (s_new + s) + inverse_new)
     s_new = jnp.where(solvable, s_new, s)
     v_new = jnp.where(solvable, v_new, -v)
     w_new = jnp.where(s_new == s, w, s_new * s_new)

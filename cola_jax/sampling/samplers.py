@@ -36,7 +36,7 @@ from cola_jax import _rules
 from cola_jax._engine import Driver
 from cola_jax._hyperparameters import check_nonnegative
 from cola_jax._tree import ConstraintSpec, without_variables
-from cola_jax.langevin import SPLITTINGS, Splitting
+from cola_jax.langevin import Splitting, splitting_named
 
 
 class SamplingAlgorithm(NamedTuple):
@@ -173,17 +173,6 @@ def overdamped(grad_estimator, *, constraints: ConstraintSpec = None) -> Samplin
   return SamplingAlgorithm(init, step)
 
 
-def _splitting(owner: str, splitting) -> Splitting:
-  if isinstance(splitting, Splitting):
-    return splitting
-  if isinstance(splitting, str) and splitting in SPLITTINGS:
-    return SPLITTINGS[splitting]
-  try:
-    return Splitting(splitting)
-  except ValueError as error:
-    raise ValueError(f"{owner}: splitting: {error}") from None
-
-
 def underdamped(
   grad_estimator,
   *,
@@ -245,7 +234,7 @@ def underdamped(
   if callable(friction):
     raise TypeError(f"{owner}: friction must be a number, not a schedule.")
   check_nonnegative(owner, "friction", friction)
-  splitting = _splitting(owner, splitting)
+  splitting = splitting_named(owner, splitting)
   driver = Driver(owner, constraints)
 
   def init(position) -> UnderdampedSamplerState:
