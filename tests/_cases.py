@@ -1,4 +1,4 @@
-"""Parametrisations whose quick suite keeps a few cases and runs the rest under ``slow``."""
+"""Parametrisations whose quick suite keeps a few cases and runs the rest under ``slow`` or ``extended``."""
 
 import pytest
 
@@ -12,3 +12,15 @@ def quick_or_slow(combinations, quick, ids=None) -> list:
     pytest.param(*c, id=None if ids is None else ids(*c), marks=() if c in quick else pytest.mark.slow)
     for c in combinations
   ]
+
+
+def quick_or_extended(combinations, quick, ids=None, extended=None) -> list:
+  """As :func:`quick_or_slow`, the other cases marked ``extended`` (CI's step after the quick suite); with
+  ``extended``, a collection of them, only those, the rest slow."""
+
+  def marks(c):
+    if c in quick:
+      return ()
+    return pytest.mark.extended if extended is None or c in extended else pytest.mark.slow
+
+  return [pytest.param(*c, id=None if ids is None else ids(*c), marks=marks(c)) for c in combinations]

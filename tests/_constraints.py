@@ -51,14 +51,14 @@ VARIANTS = [
 ]
 
 
-def params(cases=None, *, names: bool = False, quick=None) -> list:
+def params(cases=None, *, names: bool = False, quick=None, rest=pytest.mark.slow) -> list:
   """``pytest.param(constraint, shape, id=id)`` for each case (``(id, constraint, shape)`` with ``names``): of
   ``cases``, or of ``CASES`` and ``VARIANTS``, those of ``VARIANTS`` marked slow; with ``quick``, a collection of
-  ids, every case whose id is not in it marked slow."""
+  ids, every case whose id is not in it marked ``rest`` (slow, or ``pytest.mark.extended``)."""
 
   def param(name, constraint, shape, marks=()):
     if quick is not None:
-      marks = () if name in quick else pytest.mark.slow
+      marks = () if name in quick else rest
     return pytest.param(*((name,) if names else ()), constraint, shape, id=name, marks=marks)
 
   if cases is not None:

@@ -308,7 +308,7 @@ UNIT_START = {
     pytest.param("od", 0.05, 0.0, marks=pytest.mark.slow),
     pytest.param("od", 0.05, 1e-3, marks=pytest.mark.slow),
     pytest.param("ud", 0.2, 0.0, marks=pytest.mark.slow),
-    ("ud", 0.2, 1e-3),
+    pytest.param("ud", 0.2, 1e-3, marks=pytest.mark.extended),  # quick: test_per_unit_ball_agrees_with_max_norm
   ],
 )
 def test_per_unit_trajectory_equals_dense(method, h, temperature):

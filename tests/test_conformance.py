@@ -11,14 +11,18 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import pytest
-from _constraints import CASES, params
+from _constraints import CASES, VARIANTS, params
 from jax.core import Tracer
 
 import cola_jax as cola
 from cola_jax.testing import check_constraint
 
 
-@pytest.mark.parametrize(("constraint", "shape"), params())
+@pytest.mark.parametrize(
+  ("constraint", "shape"),
+  params(CASES, quick={"circle", "non_negative", "orthogonal", "implicit"}, rest=pytest.mark.extended)
+  + params(VARIANTS, quick=()),
+)
 def test_the_built_in_constraints_conform(constraint, shape):
   check_constraint(constraint, shape)
 

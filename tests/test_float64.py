@@ -98,8 +98,10 @@ def test_circle_constraint_holds_to_float64_precision(x64):
     assert float(jnp.max(jnp.abs(theta))) <= radius
 
 
-# Quick: o_cola_od (the float64 of the underdamped step is the circle test's); o_cola_ud under slow.
-@pytest.mark.parametrize("method", ["o_cola_od", pytest.param("o_cola_ud", marks=pytest.mark.slow)])
+# Extended: o_cola_od (the float64 of the underdamped step is the circle test's); o_cola_ud under slow.
+@pytest.mark.parametrize(
+  "method", [pytest.param("o_cola_od", marks=pytest.mark.extended), pytest.param("o_cola_ud", marks=pytest.mark.slow)]
+)
 def test_orthogonal_constraint_holds_to_float64_precision(x64, method):
   params, loss = problem()
   if method == "o_cola_od":

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _cases import quick_or_slow
+from _cases import quick_or_extended
 
 import cola_jax as cola
 
@@ -84,9 +84,10 @@ def _biases(params):
 
 @pytest.mark.parametrize(
   "name, temperature",
-  quick_or_slow(
+  quick_or_extended(
     [(name, t) for name in sorted(METHODS) for t in (0.0, 1e-3)],
-    {("cola_od", 0.0), ("cola_ud", 1e-3)},  # the presets build on these two: the rest under slow
+    {("cola_od", 0.0)},  # the presets build on cola_od and cola_ud: the rest under slow
+    extended={("cola_ud", 1e-3)},
   ),
 )
 def test_free_leaves_move_exactly_as_optax_partition_moves_them(name, temperature, problem):
@@ -114,7 +115,9 @@ def test_free_leaves_move_exactly_as_optax_partition_moves_them(name, temperatur
 
 @pytest.mark.parametrize(
   "name, temperature",
-  quick_or_slow([(n, t) for n in ("cola_od", "cola_ud") for t in (0.0, 1e-3)], {("cola_od", 0.0), ("cola_ud", 1e-3)}),
+  quick_or_extended(
+    [(n, t) for n in ("cola_od", "cola_ud") for t in (0.0, 1e-3)], {("cola_ud", 1e-3)}, extended={("cola_od", 0.0)}
+  ),
 )
 def test_constrained_leaves_are_the_same_with_and_without_free(name, temperature, problem):
   """The weights, their constraint states, momenta and the key: identical bits, noise drawn from a fixed key.

@@ -166,6 +166,7 @@ def _cotangents(theta, w, q, v_circle, v_sphere, v_orthogonal):
   return out
 
 
+@pytest.mark.extended  # the closed forms' agreement; test_projection_agrees_with_orthogonal stays quick
 def test_cotangent_agrees_with_circle_sphere_and_orthogonal():
   keys = jax.random.split(jax.random.key(0), 6)
   out = _cotangents(
@@ -266,6 +267,7 @@ def test_rattle_is_second_order_against_the_exact_rotation(x64):
     assert 7.0 < ratio[0] < 9.0 and 7.0 < ratio[1] < 9.0
 
 
+@pytest.mark.extended  # the closed forms' agreement; test_projection_agrees_with_orthogonal stays quick
 def test_rattle_agrees_with_orthogonal():
   implicit, orthogonal = orthogonal_implicit(), cola.Orthogonal()
 

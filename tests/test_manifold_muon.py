@@ -56,9 +56,17 @@ def _brute_force_value(w, g, starts):
   return -best.fun, a / np.linalg.norm(a, 2)
 
 
-# (4, 2), the largest tangent space searched by Nelder-Mead, is slow; (3, 2) keeps a tall case quick.
+# (4, 2), the largest tangent space searched by Nelder-Mead, is slow; (3, 2) keeps a tall case quick, (2, 2) a
+# square one; the others are extended.
 @pytest.mark.parametrize(
-  "shape", [(3, 2), pytest.param((4, 2), marks=pytest.mark.slow), (2, 2), (3, 3), (3, 1)], ids=str
+  "shape",
+  [
+    (3, 2),
+    pytest.param((4, 2), marks=pytest.mark.slow),
+    (2, 2),
+    *(pytest.param(s, marks=pytest.mark.extended) for s in ((3, 3), (3, 1))),
+  ],
+  ids=str,
 )
 def test_direction_is_the_brute_force_maximiser(shape):
   rng = np.random.default_rng(sum(shape))
@@ -246,6 +254,7 @@ def _seeded_model():
   return init, step
 
 
+@pytest.mark.extended  # tests/test_lapack_under_vmap.py keeps a vmapped factorising step quick
 def test_a_step_vmapped_over_seeds_is_each_seed_s_step():
   init, step = _seeded_model()
   keys = jax.random.split(jax.random.key(0), 3)

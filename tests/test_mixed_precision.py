@@ -135,10 +135,14 @@ def train(params, constraint, momentum_dtype, steps=50):
   return params, state
 
 
-# The quick suite runs the circle; the per-unit tangent and RATTLE geometries run with slow.
+# The extended tier runs the circle; the per-unit tangent and RATTLE geometries run with slow.
 @pytest.mark.parametrize(
   "family",
-  ["circle", pytest.param("unit_norm", marks=pytest.mark.slow), pytest.param("orthogonal", marks=pytest.mark.slow)],
+  [
+    pytest.param("circle", marks=pytest.mark.extended),
+    pytest.param("unit_norm", marks=pytest.mark.slow),
+    pytest.param("orthogonal", marks=pytest.mark.slow),
+  ],
 )
 def test_bfloat16_momenta_cost_less_than_bfloat16_parameters(family):
   """Rounding the momenta to bfloat16 moves a trajectory less than rounding the parameters does.

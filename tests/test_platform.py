@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _cases import quick_or_extended
 from jax import export
 
 import cola_jax as cola
@@ -87,8 +88,14 @@ def _operations(exported) -> collections.Counter:
   return ops
 
 
-@pytest.mark.parametrize("platform", ["cuda", "tpu"])
-@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize(  # every method for cuda; for tpu, whose branch is the same, two (the rest extended)
+  ("method", "platform"),
+  quick_or_extended(
+    [(m, p) for p in ("cuda", "tpu") for m in sorted(METHODS)],
+    {*((m, "cuda") for m in METHODS), ("cola_ud", "tpu"), ("constrained_adam", "tpu")},
+    ids=lambda m, p: f"{m}-{p}",
+  ),
+)
 def test_every_step_exports_for_an_accelerator_as_the_plain_program(method, platform):
   exported = _exported(METHODS[method], platform)
   assert exported.platforms == (platform,)
@@ -131,7 +138,10 @@ def implicit_zero_sum():
   "make, constraint",
   [
     pytest.param(
-      lambda c: cola.cola_od(0.1, constraints=c, temperature=1e-2, key=jax.random.key(0)), cola.Circle(0.5), id="od"
+      lambda c: cola.cola_od(0.1, constraints=c, temperature=1e-2, key=jax.random.key(0)),
+      cola.Circle(0.5),
+      id="od",
+      marks=pytest.mark.extended,
     ),
     pytest.param(
       lambda c: cola.cola_ud(0.1, friction=1.0, constraints=c, temperature=1e-2, key=jax.random.key(0)),

@@ -140,7 +140,13 @@ def test_normal_pair_is_a_function_of_the_key_and_the_counters():
 
 
 @pytest.mark.parametrize(
-  "shape, axis", [((6, 5), 0), ((3, 4, 5), 1), ((2, 1), 0), ((1, 8, 2), 1), ((4, 2, 3, 3), 0)], ids=str
+  "shape, axis",
+  [
+    ((6, 5), 0),
+    ((3, 4, 5), 1),
+    *(pytest.param(*c, marks=pytest.mark.extended) for c in (((2, 1), 0), ((1, 8, 2), 1), ((4, 2, 3, 3), 0))),
+  ],
+  ids=str,
 )
 def test_normal_paired_takes_neighbours_along_the_first_even_outer_axis(shape, axis):
   key = jax.random.key(9)

@@ -172,20 +172,30 @@ def test_non_negative_with_a_linear_potential_samples_its_law_on_the_parabola():
   assert _ks(samples, stats.expon(scale=1 / lam).cdf) < ACCEPT
 
 
-def test_a_chain_is_its_key_under_jit_and_vmap():
-  """One seed, one chain: an eager, a jitted and a vmapped step agree; the state resumes a chain."""
+def _circle_chain():
   alg = cola.sampling.underdamped(_gaussian(0.0, 1.0), friction=1.0, constraints={"w": cola.Circle(0.5), "b": None})
-  state = alg.init({"w": jnp.full(3, 0.2), "b": jnp.zeros(2)})
-  keys = jax.random.split(jax.random.key(3), 2)
+  return alg, alg.init({"w": jnp.full(3, 0.2), "b": jnp.zeros(2)}), jax.random.split(jax.random.key(3), 2)
+
+
+def test_a_chain_is_its_key_under_jit_and_vmap():
+  """One seed, one chain: a jitted and a vmapped step agree; the state resumes a chain."""
+  alg, state, keys = _circle_chain()
   step = jax.jit(alg.step)
   jitted = step(keys[1], step(keys[0], state, None, 0.1), None, 0.1)
-  eager = alg.step(keys[1], step(keys[0], state, None, 0.1), None, 0.1)
-  np.testing.assert_allclose(eager.position["w"], jitted.position["w"], rtol=1e-6, atol=1e-7)
   batched = jax.vmap(lambda k: alg.step(k, state, None, 0.1))(keys)
   np.testing.assert_allclose(
     batched.position["w"][1], step(keys[1], state, None, 0.1).position["w"], rtol=1e-6, atol=1e-7
   )
   assert int(jitted.count) == 2 and bool(jnp.all(jnp.abs(jitted.position["w"]) <= 0.5))
+
+
+@pytest.mark.extended  # an eager step dispatches and compiles each of its operations on its own
+def test_an_eager_step_is_the_jitted_step():
+  alg, state, keys = _circle_chain()
+  step = jax.jit(alg.step)
+  start = step(keys[0], state, None, 0.1)
+  eager = alg.step(keys[1], start, None, 0.1)
+  np.testing.assert_allclose(eager.position["w"], step(keys[1], start, None, 0.1).position["w"], rtol=1e-6, atol=1e-7)
 
 
 def test_init_puts_the_position_on_its_manifold():

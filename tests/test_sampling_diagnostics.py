@@ -49,7 +49,11 @@ DATA = {  # fixed-key data: iid, correlated, many observables in trailing axes, 
 
 
 @pytest.mark.parametrize(
-  "name", [n if n in ("iid", "shifted") else pytest.param(n, marks=pytest.mark.slow) for n in sorted(DATA)]
+  "name",
+  [
+    n if n == "iid" else pytest.param(n, marks=pytest.mark.extended if n == "shifted" else pytest.mark.slow)
+    for n in sorted(DATA)
+  ],
 )
 def test_the_formulas_written_here_are_blackjax_diagnostics(name, monkeypatch):
   x = DATA[name]

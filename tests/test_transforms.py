@@ -500,8 +500,11 @@ class _UsersState(NamedTuple):
     lambda c: cola.cola_od(0.1, constraints=c),
     lambda c: cola.cola_ud(0.1, friction=1.0, constraints=c, splitting=cola.Splitting("OBABO")),
     lambda c: cola.constrained(optax.adam(1e-2), constraints=c),
-    lambda c: cola.manifold_muon(0.1, constraints=c),
-    lambda c: cola.hyperspherical_descent(0.1, constraints={"w": cola.UnitNorm(), "b": None}),
+    pytest.param(lambda c: cola.manifold_muon(0.1, constraints=c), marks=pytest.mark.extended),
+    pytest.param(
+      lambda c: cola.hyperspherical_descent(0.1, constraints={"w": cola.UnitNorm(), "b": None}),
+      marks=pytest.mark.extended,
+    ),
   ],
   ids=["cola_od", "cola_ud", "constrained", "manifold_muon", "hyperspherical_descent"],
 )
