@@ -249,7 +249,7 @@ def c_cola_ud(
   temperature: optax.ScalarOrSchedule = 0.0,
   key: jax.Array | None = None,
   splitting: str | Splitting = "OBA",
-  momentum_dtype: Any = None,
+  accumulator_dtype: Any = None,
   free: optax.GradientTransformation | None = None,
 ) -> optax.GradientTransformation:
   """c-CoLA-ud: underdamped Langevin (OBA) with ``|theta| <= radius`` per weight.
@@ -292,7 +292,7 @@ def c_cola_ud(
     key: a JAX PRNG key, required unless ``temperature`` is exactly 0.
     splitting: ``"OBA"`` (the paper's), ``"BAOAB"`` or a :class:`~cola_jax.Splitting`; see
       :func:`cola_jax.cola_ud`.
-    momentum_dtype: the momenta's stored dtype; see :func:`cola_jax.cola_ud`.
+    accumulator_dtype: the momenta's stored dtype; see :func:`cola_jax.cola_ud`.
     free: an optax ``GradientTransformation`` for the unconstrained leaves
       (``optax.adam(1e-3)``), or ``None`` (default): SGD with momentum, as
       above. They then move exactly as ``optax.partition`` would move them
@@ -334,7 +334,7 @@ def c_cola_ud(
       temperature=temperature,
       key=key,
       splitting=splitting,
-      momentum_dtype=momentum_dtype,
+      accumulator_dtype=accumulator_dtype,
       free=free,
     )
 
@@ -426,7 +426,7 @@ def o_cola_ud(
   splitting: str | Splitting = "OBA",
   projection: str = "quasi_newton",
   loop: str = "while",
-  momentum_dtype: Any = None,
+  accumulator_dtype: Any = None,
   free: optax.GradientTransformation | None = None,
 ) -> optax.GradientTransformation:
   """o-CoLA-ud: underdamped Langevin (OBA, RATTLE A step) with orthonormal weights.
@@ -470,7 +470,7 @@ def o_cola_ud(
     projection: the solver of the projection, as for :class:`cola_jax.Orthogonal`.
     loop: ``"while"`` or ``"fixed"`` (no host round trips), as for
       :class:`cola_jax.Orthogonal`.
-    momentum_dtype: the momenta's stored dtype; see :func:`cola_jax.cola_ud`.
+    accumulator_dtype: the momenta's stored dtype; see :func:`cola_jax.cola_ud`.
     free: an optax ``GradientTransformation`` for the unconstrained leaves
       (``optax.adam(1e-3)``), or ``None`` (default): SGD with momentum, as
       above. They then move exactly as ``optax.partition`` would move them
@@ -508,7 +508,7 @@ def o_cola_ud(
       temperature=temperature,
       key=key,
       splitting=splitting,
-      momentum_dtype=momentum_dtype,
+      accumulator_dtype=accumulator_dtype,
       free=free,
     )
 

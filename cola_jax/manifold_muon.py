@@ -55,7 +55,7 @@ class ManifoldMuonState(NamedTuple):
   """
 
   count: jax.Array  # pyright: ignore[reportIncompatibleMethodOverride]  (steps taken, int32, as optax names it)
-  momentum: Any  # the exponential moving average of the gradients, shaped like the parameters
+  momentum: Any  # m, the moving average of the gradients (optax.contrib.muon's mu), shaped like the parameters
   constraint_states: Any  # per leaf: its constraint's state (a ProjectionInfo for Orthogonal, None if free)
   direction_info: Any  # per leaf: a DirectionInfo for Orthogonal leaves, None for free ones
 
@@ -64,9 +64,9 @@ def manifold_muon(
   learning_rate: optax.ScalarOrSchedule,
   *,
   constraints: ConstraintSpec = None,
-  momentum: float = 0.95,
+  beta: float = 0.95,
   nesterov: bool = True,
-  tolerance: float = 1e-3,
+  gap_tolerance: float = 1e-3,
   max_iterations: int = 300,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Manifold Muon: Muon's spectral-norm steepest descent inside the tangent space of the Stiefel manifold.
@@ -88,11 +88,32 @@ def manifold_muon(
   <cola_jax.Constraint.retract>` (the polar factor, the nearest orthonormal
   matrix). The direction is found as :mod:`cola_jax.stiefel_direction` describes
   (closed form for square matrices, ADMM in ``(p + m) x p`` coordinates for
-  tall ones); its iterations and whether it met ``tolerance`` are in
-  ``state.direction_info``. Unconstrained leaves (``None``) take
-  ``-eta d``, the same momentum without a direction: they move as under
-  ``optax.sgd(eta * (1 - beta), momentum=beta, nesterov=nesterov)``. There is
-  no ``free=`` here: to put them on Adam, as ``optax.contrib.muon`` does,
+  tall ones); its iterations and whether it met ``gap_tolerance`` are in
+  ``state.direction_info``.
+
+  ``beta`` and ``nesterov`` are ``optax.contrib.muon``'s: ``m`` is its ``mu``,
+  the same exponential moving average. Muon bias-corrects before it
+  orthogonalises: ``m / (1 - beta^t)`` at step ``t``, or with Nesterov
+  ``beta m / (1 - beta^(t+1)) + (1 - beta) g / (1 - beta^t)``. ``A`` depends on
+  the direction of ``d`` only (``A(c d) = A(d)`` for ``c > 0``), so without
+  Nesterov the correction changes no step; with it, Muon weighs ``m`` against
+  ``g`` less than ``d`` above does, by ``(1 - beta^t) / (1 - beta^(t+1))``: the
+  same direction at the first step (``m = (1 - beta) g``), and the factor
+  tends to 1 as ``beta^t`` vanishes. Muon's step is ``learning_rate``
+  times Newton-Schulz's approximate ``msign`` (singular values near, not at,
+  1) times ``sqrt(max(1, fan_out / fan_in))``; here the step has spectral
+  norm ``eta``.
+
+  Unconstrained leaves (``None``) take ``-eta d``, the same momentum without
+  a direction and without bias correction: they move as under
+  ``optax.sgd(eta * (1 - beta), momentum=beta, nesterov=nesterov)``, which is
+  without Nesterov what :func:`~cola_jax.cola_ud`'s free leaves do at
+  temperature 0 with ``cola_ud(eta * (1 - beta), momentum=beta)`` (whose
+  ``momentum`` is optax.sgd's coefficient, not an average). Muon steps the
+  leaves it does not orthogonalise (by default every leaf that is not 2-D)
+  by AdamW instead (``adam_b1``, ``adam_b2``, ``adam_learning_rate``, its
+  ``nesterov``). ``manifold_muon`` has no ``free=`` (``cola_ud``'s way to
+  move the free leaves by any optax transformation): to put them on Adam,
   route them there with ``optax.partition``.
 
   Args:
@@ -104,10 +125,12 @@ def manifold_muon(
       embedding tables, named in a ``UserWarning`` when there are more than
       one (the rule of every entry, in docs/choosing.md, "Which leaves are
       constrained"); the others are free.
-    momentum: ``beta`` in ``[0, 1)``; 0 gives the reference's rule (no momentum).
+    beta: the decay rate of the moving average ``m`` in ``[0, 1)``, as
+      ``optax.contrib.muon``'s ``beta``; 0 gives the reference's rule (no momentum).
     nesterov: whether ``d`` looks ahead (as ``optax.contrib.muon``).
-    tolerance: the duality gap at which the direction's ADMM stops: ``<d, A>`` within this fraction of its
-      maximum (:class:`DirectionInfo`).
+    gap_tolerance: the relative duality gap at which the direction's ADMM
+      stops: ``<d, A>`` within this fraction of its maximum
+      (:class:`DirectionInfo`'s ``gap``).
     max_iterations: the bound on its iterations per matrix and step.
 
   Returns:
@@ -132,12 +155,12 @@ def manifold_muon(
   owner = caller("manifold_muon")
   if not callable(learning_rate):
     check_positive(owner, "learning_rate", learning_rate)
-  if callable(momentum):
-    raise TypeError(f"{owner}: momentum must be a number, not a schedule.")
-  check_nonnegative(owner, "momentum", momentum)
-  if not float(momentum) < 1:
-    raise ValueError(f"{owner}: momentum must be in [0, 1), got {momentum!r}.")
-  check_positive(owner, "tolerance", tolerance)
+  if callable(beta):
+    raise TypeError(f"{owner}: beta must be a number, not a schedule.")
+  check_nonnegative(owner, "beta", beta)
+  if not float(beta) < 1:
+    raise ValueError(f"{owner}: beta must be in [0, 1), got {beta!r}.")
+  check_positive(owner, "gap_tolerance", gap_tolerance)
   check_positive_integer(owner, "max_iterations", max_iterations)
   if not isinstance(nesterov, bool):
     raise TypeError(f"{owner}: nesterov must be True or False, got {nesterov!r}.")
@@ -180,15 +203,15 @@ def manifold_muon(
     leaves = update.leaves
     stored = leaves.flatten(state.momentum, "state.momentum")
     eta = jnp.asarray(learning_rate(state.count) if callable(learning_rate) else learning_rate)
-    momenta = [
-      momentum * m.astype(p.dtype) + (1 - momentum) * g for m, p, g in zip(stored, leaves.compute, update.grads)
-    ]
-    directions = [momentum * m + (1 - momentum) * g if nesterov else m for m, g in zip(momenta, update.grads)]
+    momenta = [beta * m.astype(p.dtype) + (1 - beta) * g for m, p, g in zip(stored, leaves.compute, update.grads)]
+    directions = [beta * m + (1 - beta) * g if nesterov else m for m, g in zip(momenta, update.grads)]
 
     def leaf_step(c, p, point, d):
       # The tangent space at Q = scale U is U's: the direction is found for U (Orthogonal's scale).
       w, ambient = point.matrix / c.scale, c.ambient_gradient(point, d)
-      direction = lambda w, g: steepest_tangent_direction(w, g, tolerance=tolerance, max_iterations=max_iterations)
+      direction = lambda w, g: steepest_tangent_direction(
+        w, g, gap_tolerance=gap_tolerance, max_iterations=max_iterations
+      )
       a, info = direction(w, ambient) if w.ndim == 2 else jax.vmap(direction)(w, ambient)
       new_param, new_aux = c.unpack(c.retract(point, -eta * c.cotangent(point, a)), p)
       return new_param, new_aux, DirectionInfo(jnp.max(info.iterations), jnp.all(info.converged), jnp.max(info.gap))

@@ -31,7 +31,7 @@ How ``A`` is found.
   duality: ``<G, A> <= |G + W Lambda|_*`` for any symmetric ``Lambda``), so
   ``gap = 1 - <G, A> / bound`` is a proven bound on how far from the steepest
   direction that direction is. It stops when the gap is at most
-  ``tolerance`` (or at ``max_iterations``) and returns the certified
+  ``gap_tolerance`` (or at ``max_iterations``) and returns the certified
   direction, the iterations and the gap. In float32 the certificate itself is
   good to about ``1e-5``; on the gradients of a 784-128-64-10 MLP, a gap of
   ``1e-3`` took 20 to 100 iterations (``results/comparisons/muon_direction.json``).
@@ -86,12 +86,12 @@ class DirectionInfo(NamedTuple):
     >>> params = {'w': jnp.eye(4, 2)}
     >>> _, state = tx.update({'w': jnp.ones((4, 2))}, tx.init(params), params)
     >>> info = state.direction_info['w']  # a cola.DirectionInfo
-    >>> bool(info.converged), int(info.iterations) > 0, float(info.gap) <= 1e-3  # manifold_muon's tolerance
+    >>> bool(info.converged), int(info.iterations) > 0, float(info.gap) <= 1e-3  # manifold_muon's gap_tolerance
     (True, True, True)
   """
 
   iterations: jax.Array  # ADMM iterations (0: closed form, or a zero gradient)
-  converged: jax.Array  # the gap is at most the tolerance, and the direction is finite
+  converged: jax.Array  # the gap is at most gap_tolerance, and the direction is finite
   gap: jax.Array  # 1 - <G, A> / (an upper bound of its maximum): 0 for an exact direction
 
 
@@ -139,11 +139,11 @@ def _certificate(coordinates: jax.Array, p: int, a: jax.Array, multiplier: jax.A
   return feasible, jnp.maximum(1 - jnp.sum(coordinates * feasible) / bound, 0)
 
 
-def _admm(coordinates: jax.Array, p: int, tolerance: float, max_iterations: int, multiplier: jax.Array):
+def _admm(coordinates: jax.Array, p: int, gap_tolerance: float, max_iterations: int, multiplier: jax.Array):
   """ADMM for ``max <Gc, A>`` over ``|A|_2 <= 1`` with ``A[:p]`` skew, in the ``(p + m) x p`` coordinates.
 
   Starts from the symmetric ``p x p`` ``multiplier`` (zero: cold; a neighbouring problem's: warm). Returns
-  the direction, the iterations, its gap (at most ``tolerance`` if it converged), certified every
+  the direction, the iterations, its gap (at most ``gap_tolerance`` if it converged), certified every
   ``_CHECK_EVERY`` iterations and at the last, and the multiplier of that certificate.
   """
 
@@ -164,7 +164,7 @@ def _admm(coordinates: jax.Array, p: int, tolerance: float, max_iterations: int,
 
   def not_done(carry):
     k, *_, gap = carry
-    return (k < max_iterations) & (gap > tolerance)
+    return (k < max_iterations) & (gap > gap_tolerance)
 
   def block(carry):
     k, z, u, rho, _, _ = carry
@@ -181,7 +181,7 @@ def _admm(coordinates: jax.Array, p: int, tolerance: float, max_iterations: int,
   return direction, k, gap, -rho * _sym(u[:p])
 
 
-def _steepest_tangent_direction(w, g, tolerance, max_iterations, multiplier):
+def _steepest_tangent_direction(w, g, gap_tolerance, max_iterations, multiplier):
   """:func:`steepest_tangent_direction` of one matrix, its ADMM started from ``multiplier`` (``p x p``,
   symmetric, in ``W``'s coordinates), and the multiplier it ended with (a warm start for the next step's)."""
   n, p = w.shape
@@ -199,8 +199,8 @@ def _steepest_tangent_direction(w, g, tolerance, max_iterations, multiplier):
     normal = g - _mm(w, k)
     basis = jnp.linalg.qr(jnp.concatenate([w, normal], axis=1))[0][:, p : p + m]
     coordinates = jnp.concatenate([k, _mm(basis.T, g)])
-    solution, iterations, gap, multiplier = _admm(coordinates, p, tolerance, max_iterations, multiplier)
-    a, converged = _mm(w, solution[:p]) + _mm(basis, solution[p:]), gap <= tolerance
+    solution, iterations, gap, multiplier = _admm(coordinates, p, gap_tolerance, max_iterations, multiplier)
+    a, converged = _mm(w, solution[:p]) + _mm(basis, solution[p:]), gap <= gap_tolerance
   a = jnp.where(finite, jnp.where(nonzero, a, 0), jnp.nan)
   converged = finite & (converged | ~nonzero)
   gap = jnp.where(finite, jnp.where(nonzero, gap, 0), jnp.nan)
@@ -209,14 +209,15 @@ def _steepest_tangent_direction(w, g, tolerance, max_iterations, multiplier):
 
 
 def steepest_tangent_direction(
-  w: jax.Array, g: jax.Array, *, tolerance: float = 1e-3, max_iterations: int = 300
+  w: jax.Array, g: jax.Array, *, gap_tolerance: float = 1e-3, max_iterations: int = 300
 ) -> tuple[jax.Array, DirectionInfo]:
   r"""The unit-spectral-norm tangent vector ``A`` at ``W`` maximising ``<G, A>`` (manifold Muon's direction).
 
   Args:
     w: a tall matrix ``(n, p)``, ``n >= p``, with orthonormal columns.
     g: the gradient (or momentum) at ``w``, of the same shape.
-    tolerance: the duality gap at which ADMM stops (tall ``w``; square ones are exact).
+    gap_tolerance: the relative duality gap (:class:`DirectionInfo`'s ``gap``) at which ADMM stops (tall
+      ``w``; square ones are exact).
     max_iterations: the bound on ADMM iterations.
 
   Returns:
@@ -228,12 +229,15 @@ def steepest_tangent_direction(
     >>> import jax.numpy as jnp
     >>> from cola_jax.stiefel_direction import steepest_tangent_direction
     >>> w = jnp.eye(3, 2)
-    >>> a, info = steepest_tangent_direction(w, jnp.array([[0.0, 1.0], [0.0, 0.0], [2.0, 0.0]]), tolerance=1e-6)
+    >>> a, info = steepest_tangent_direction(w, jnp.array([[0.0, 1.0], [0.0, 0.0], [2.0, 0.0]]), gap_tolerance=1e-6)
     >>> a  # x = 1/sqrt(5), y = 2/sqrt(5) maximise x + 2 y subject to x^2 + y^2 <= 1
     Array([[ 0.       ,  0.4472...], [-0.4472...,  0.       ], [ 0.8944...,  0.       ]], dtype=float32)
     >>> bool(info.converged)
     True
   """
   p = w.shape[-1]
-  direction = lambda w, g: _steepest_tangent_direction(w, g, tolerance, max_iterations, jnp.zeros((p, p), g.dtype))[:2]
+
+  def direction(w, g):
+    return _steepest_tangent_direction(w, g, gap_tolerance, max_iterations, jnp.zeros((p, p), g.dtype))[:2]
+
   return one_matrix_at_a_time(direction)(w, g)

@@ -273,7 +273,7 @@ def cola_ud(
   temperature: optax.ScalarOrSchedule = 0.0,
   key: jax.Array | None = None,
   splitting: str | Splitting = "OBA",
-  momentum_dtype: Any = None,
+  accumulator_dtype: Any = None,
   free: optax.GradientTransformation | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Constrained underdamped Langevin dynamics (CoLA-ud), OBA, BAOAB or any splitting of O, B and A steps.
@@ -322,8 +322,9 @@ def cola_ud(
       size; two A half steps per update, see :func:`cola_jax.langevin.baoab_step`),
       or any :class:`~cola_jax.Splitting` (``cola.Splitting("OBABO")``, a
       scheme of one's own: its O steps draw one set of numbers each).
-    momentum_dtype: the dtype the momenta are stored in between steps (as
-      ``accumulator_dtype`` in ``optax.sgd``). ``None`` (default): the compute
+    accumulator_dtype: the dtype the momenta are stored in between steps,
+      as ``optax.sgd``'s (``mu_dtype`` in ``optax.adam`` and
+      ``optax.contrib.muon``). ``None`` (default): the compute
       dtype, float32 for bfloat16 or float16 parameters. ``jnp.bfloat16``
       halves the momenta of a bfloat16 model; the step still computes in
       float32 and rounds the new momentum once. Positions and slack variables
@@ -370,12 +371,12 @@ def cola_ud(
   gamma = 0.0 if friction is None else friction
   noisy = _check_hyperparameters(owner, learning_rate, temperature, key)
   splitting = splitting_named(owner, splitting)
-  momentum_dtype = check_floating_dtype(owner, "momentum_dtype", momentum_dtype)
+  accumulator_dtype = check_floating_dtype(owner, "accumulator_dtype", accumulator_dtype)
   driver = Driver(owner, constraints, free=free)
 
   def zero_momentum(c, p):
     m = c.zero_momentum(p)
-    return m if momentum_dtype is None else jax.tree.map(lambda a: a.astype(momentum_dtype), m)
+    return m if accumulator_dtype is None else jax.tree.map(lambda a: a.astype(accumulator_dtype), m)
 
   def init_fn(params):
     count = jnp.zeros([], jnp.int32)

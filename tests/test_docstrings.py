@@ -95,8 +95,8 @@ def test_the_api_summary_rows_show_every_argument():
   finally:
     sys.path.remove(str(docs_ext))
   assert api_reference.arguments(cola_jax.c_cola_ud) == (
-    "(learning_rate, *[, friction, momentum, radius, mask, constraints, temperature, key, splitting, momentum_dtype, "
-    "free])"
+    "(learning_rate, *[, friction, momentum, radius, mask, constraints, temperature, key, splitting, "
+    "accumulator_dtype, free])"
   )
   assert api_reference.arguments(cola_jax.MaxNorm) == "(radius[, axis])"
   assert api_reference.arguments(cola_jax.langevin) == ""

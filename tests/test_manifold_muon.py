@@ -71,7 +71,7 @@ def _brute_force_value(w, g, starts):
 def test_direction_is_the_brute_force_maximiser(shape):
   rng = np.random.default_rng(sum(shape))
   w, g = _stiefel(rng, *shape), rng.normal(size=shape).astype(np.float32)
-  a, info = steepest_tangent_direction(jnp.asarray(w), jnp.asarray(g), tolerance=1e-5, max_iterations=3000)
+  a, info = steepest_tangent_direction(jnp.asarray(w), jnp.asarray(g), gap_tolerance=1e-5, max_iterations=3000)
   a = np.asarray(a, np.float64)
   assert bool(info.converged)
   value, brute = _brute_force_value(w, g, starts=8)
@@ -80,7 +80,7 @@ def test_direction_is_the_brute_force_maximiser(shape):
   np.testing.assert_allclose(a, brute, atol=2e-3)  # the maximiser is unique for generic G
 
 
-# Quick: (30, 20); test_the_gap_bounds_the_suboptimality_and_meets_the_tolerance takes this spectrum at (40, 8).
+# Quick: (30, 20); test_the_gap_bounds_the_suboptimality_and_meets_the_gap_tolerance takes this spectrum at (40, 8).
 @pytest.mark.parametrize(
   "n, p", [pytest.param(40, 8, marks=pytest.mark.slow), (30, 20), pytest.param(12, 4, marks=pytest.mark.slow)]
 )
@@ -97,21 +97,21 @@ def test_direction_is_unit_spectral_norm_and_tangent(n, p):
   assert np.linalg.norm(a, 2) <= 1 + 1e-5
 
 
-@pytest.mark.parametrize("tolerance", [1e-2, 1e-3, 1e-4])
-def test_the_gap_bounds_the_suboptimality_and_meets_the_tolerance(tolerance):
-  """ADMM stops at the first certificate within ``tolerance``; the direction is that far from the best, at most."""
+@pytest.mark.parametrize("gap_tolerance", [1e-2, 1e-3, 1e-4])
+def test_the_gap_bounds_the_suboptimality_and_meets_the_gap_tolerance(gap_tolerance):
+  """ADMM stops at the first certificate within ``gap_tolerance``; the direction is that far from the best, at most."""
   rng = np.random.default_rng(6)
   w = _stiefel(rng, 40, 8)
   g = (_stiefel(rng, 40, 8) * 0.8 ** np.arange(8)) @ _stiefel(rng, 8, 8).T
   w, g = jnp.asarray(w), jnp.asarray(g, jnp.float32)
-  a, info = steepest_tangent_direction(w, g, tolerance=tolerance, max_iterations=3000)
-  best, best_info = steepest_tangent_direction(w, g, tolerance=1e-5, max_iterations=3000)
-  assert bool(info.converged) and bool(best_info.converged) and 0 <= float(info.gap) <= tolerance
+  a, info = steepest_tangent_direction(w, g, gap_tolerance=gap_tolerance, max_iterations=3000)
+  best, best_info = steepest_tangent_direction(w, g, gap_tolerance=1e-5, max_iterations=3000)
+  assert bool(info.converged) and bool(best_info.converged) and 0 <= float(info.gap) <= gap_tolerance
   value, best_value = (np.sum(np.float64(g) * np.float64(x)) for x in (a, best))
   # Both certificates are float32 sums over the 40 x 8 entries (the bound's singular values, the inner product).
   assert (best_value - value) / best_value <= float(info.gap) + float(best_info.gap) + rounding.roundings(2 * 40 * 8)
   assert np.abs(np.asarray(w.T @ a + a.T @ w)).max() < 1e-5 and np.linalg.norm(np.asarray(a), 2) <= 1 + 1e-5
-  if tolerance > 1e-4:  # a looser tolerance stops earlier
+  if gap_tolerance > 1e-4:  # a looser tolerance stops earlier
     assert int(info.iterations) < int(best_info.iterations)
 
 
@@ -152,7 +152,7 @@ def test_without_momentum_a_step_is_the_reference_rule():
   """``W <- msign(W - eta A)``: the modular-manifolds reference's update, here with the exact polar factor."""
   rng = np.random.default_rng(5)
   w, g = _stiefel(rng, 7, 3), rng.normal(size=(7, 3)).astype(np.float32)
-  tx = cola.manifold_muon(0.1, momentum=0.0)
+  tx = cola.manifold_muon(0.1, beta=0.0)
   updates, _ = tx.update(jnp.asarray(g), tx.init(jnp.asarray(w)), jnp.asarray(w))
   a = np.asarray(steepest_tangent_direction(jnp.asarray(w), jnp.asarray(g))[0])
   np.testing.assert_allclose(np.asarray(w + updates), _polar(w - 0.1 * a), atol=2e-6)
@@ -190,7 +190,7 @@ def test_free_leaves_take_sgd_with_the_same_momentum():
   beta, eta = 0.9, 0.05
   grads = [jnp.array([1.0, -2.0]), jnp.array([0.5, 0.5]), jnp.array([-1.0, 3.0])]
   for nesterov in (False, True):
-    tx = cola.manifold_muon(eta, constraints=lambda params: None, momentum=beta, nesterov=nesterov)  # all free
+    tx = cola.manifold_muon(eta, constraints=lambda params: None, beta=beta, nesterov=nesterov)  # all free
     sgd = optax.sgd(eta * (1 - beta), momentum=beta, nesterov=nesterov)
     params = sgd_params = jnp.zeros(2)
     state, sgd_state = tx.init(params), sgd.init(params)
@@ -204,6 +204,25 @@ def test_free_leaves_take_sgd_with_the_same_momentum():
       expected -= eta * (beta * m + (1 - beta) * np.asarray(g) if nesterov else m)
     np.testing.assert_allclose(params, expected, rtol=1e-5, atol=1e-8)
     np.testing.assert_allclose(params, sgd_params, rtol=1e-5, atol=1e-8)
+
+
+def test_beta_is_optax_muon_s_and_without_nesterov_a_step_is_on_its_bias_corrected_average():
+  """``m`` is ``optax.contrib.scale_by_muon``'s ``mu`` for the same ``beta``; without Nesterov the step is the one
+  from muon's ``mu / (1 - beta^t)``, the same direction (the docstring's correspondence)."""
+  rng = np.random.default_rng(3)
+  beta, eta = 0.9, 0.1
+  w = jnp.asarray(_stiefel(rng, 6, 3))
+  tx = cola.manifold_muon(eta, constraints=cola.Orthogonal(), beta=beta, nesterov=False)
+  muon = optax.contrib.scale_by_muon(beta=beta, nesterov=False)
+  state, muon_state = tx.init(w), muon.init(w)
+  for t in range(1, 4):
+    g = jnp.asarray(rng.normal(size=(6, 3)), jnp.float32)
+    updates, state = tx.update(g, state, w)
+    _, muon_state = muon.update(g, muon_state, w)
+    np.testing.assert_allclose(state.momentum, muon_state.mu, rtol=1e-6, atol=1e-7)
+    a = steepest_tangent_direction(w, muon_state.mu / (1 - beta**t))[0]
+    np.testing.assert_allclose(np.asarray(w + updates), _polar(np.asarray(w - eta * a)), atol=2e-6)
+    w = w + updates
 
 
 def test_schedule_jit_equals_eager_and_map_params():
@@ -220,8 +239,8 @@ def test_schedule_jit_equals_eager_and_map_params():
 
 
 def test_bad_input_is_named():
-  with pytest.raises(ValueError, match="momentum must be in"):
-    cola.manifold_muon(0.1, momentum=1.0)
+  with pytest.raises(ValueError, match=r"^manifold_muon: beta must be in \[0, 1\), got 1.0"):
+    cola.manifold_muon(0.1, beta=1.0)
   with pytest.raises(ValueError, match="learning_rate"):
     cola.manifold_muon(-0.1)
   with pytest.raises(ValueError, match="max_iterations"):
@@ -292,7 +311,7 @@ def test_the_default_steps_a_model_with_biases():
   params = {f"Dense_{i}": {"kernel": jnp.eye(4, 3 - i), "bias": jnp.zeros(3 - i)} for i in range(2)}
   grads = jax.tree.map(jnp.ones_like, params)
   with pytest.warns(UserWarning, match=r"it constrains these 2: Dense_0/kernel, Dense_1/kernel\."):
-    tx = cola.manifold_muon(0.1, momentum=0.0)
+    tx = cola.manifold_muon(0.1, beta=0.0)
     state = tx.init(params)
     updates, state = tx.update(grads, state, params)
   new = optax.apply_updates(params, updates)

@@ -1,8 +1,8 @@
-"""bfloat16 parameters: what the optimizer state keeps in float32, and ``momentum_dtype``.
+"""bfloat16 parameters: what the optimizer state keeps in float32, and ``accumulator_dtype``.
 
 The geometry runs in float32 for bfloat16 or float16 parameters, and the state
 keeps what it works with in float32: slack variables and, for ``cola_ud``,
-the momenta. ``cola_ud(momentum_dtype=jnp.bfloat16)`` stores the momenta in
+the momenta. ``cola_ud(accumulator_dtype=jnp.bfloat16)`` stores the momenta in
 bfloat16 between steps; the slacks stay in float32. See
 ``docs/guides/mixed_precision.md``.
 """
@@ -52,12 +52,17 @@ def bf16_params():
   return {"kernel": kernel.astype(jnp.bfloat16), "bias": jnp.zeros(OUT, jnp.bfloat16)}
 
 
-def transform(method, constraint, momentum_dtype=None):
+def transform(method, constraint, accumulator_dtype=None):
   constraints = {"kernel": constraint, "bias": None}
   if method == "od":
     return cola.cola_od(0.1, constraints=constraints, temperature=1e-5, key=jax.random.key(1))
   return cola.cola_ud(
-    0.1, friction=1.0, constraints=constraints, temperature=1e-5, key=jax.random.key(1), momentum_dtype=momentum_dtype
+    0.1,
+    friction=1.0,
+    constraints=constraints,
+    temperature=1e-5,
+    key=jax.random.key(1),
+    accumulator_dtype=accumulator_dtype,
   )
 
 
@@ -99,7 +104,7 @@ def test_bfloat16_parameters_keep_float32_slacks_and_momenta(method, name, const
 @pytest.mark.parametrize("name, constraint, shape", MATRIX_CASES)
 def test_bfloat16_momenta_halve_the_momenta_and_keep_the_slacks(name, constraint, shape):
   slacks, momentum_entries = entries(name)
-  for state in init_and_stepped(transform("ud", constraint, momentum_dtype=jnp.bfloat16), bf16_params()):
+  for state in init_and_stepped(transform("ud", constraint, accumulator_dtype=jnp.bfloat16), bf16_params()):
     assert all(m.dtype == jnp.bfloat16 for m in jax.tree.leaves(state.momentum))
     assert all(leaf.dtype == jnp.float32 for leaf in arrays(state._replace(momentum=None)))
     assert nbytes(arrays(state)) == F32 * slacks + BF16 * momentum_entries
@@ -114,14 +119,14 @@ def loss(params):
   return jnp.mean((jnp.tanh(X @ params["kernel"] + params["bias"]) - Y) ** 2)
 
 
-def train(params, constraint, momentum_dtype, steps=50):
+def train(params, constraint, accumulator_dtype, steps=50):
   tx = cola.cola_ud(
     0.1,
     friction=1.0,
     constraints={"kernel": constraint, "bias": None},
     temperature=1e-5,
     key=jax.random.key(4),
-    momentum_dtype=momentum_dtype,
+    accumulator_dtype=accumulator_dtype,
   )
 
   @jax.jit
@@ -174,20 +179,20 @@ def test_bfloat16_momenta_cost_less_than_bfloat16_parameters(family):
 
 
 @pytest.mark.parametrize("bad", [jnp.int32, "float33", 3.0])
-def test_momentum_dtype_must_be_a_floating_dtype(bad):
-  with pytest.raises(TypeError, match="cola_ud: momentum_dtype must be a floating point dtype"):
-    cola.cola_ud(0.1, friction=1.0, momentum_dtype=bad)
+def test_accumulator_dtype_must_be_a_floating_dtype(bad):
+  with pytest.raises(TypeError, match="cola_ud: accumulator_dtype must be a floating point dtype"):
+    cola.cola_ud(0.1, friction=1.0, accumulator_dtype=bad)
 
 
-def test_aliases_pass_the_momentum_dtype_on():
+def test_aliases_pass_the_accumulator_dtype_on():
   params = bf16_params()
   for tx in (
-    cola.c_cola_ud(0.1, friction=1.0, radius=0.2, momentum_dtype=jnp.bfloat16),
-    cola.o_cola_ud(0.1, friction=1.0, momentum_dtype=jnp.bfloat16),
+    cola.c_cola_ud(0.1, friction=1.0, radius=0.2, accumulator_dtype=jnp.bfloat16),
+    cola.o_cola_ud(0.1, friction=1.0, accumulator_dtype=jnp.bfloat16),
   ):
     assert {m.dtype for m in jax.tree.leaves(tx.init(params).momentum)} == {jnp.dtype(jnp.bfloat16)}
-  with pytest.raises(TypeError, match="cola_ud: momentum_dtype"):
-    cola.c_cola_ud(0.1, friction=1.0, radius=0.2, momentum_dtype=jnp.int8)
+  with pytest.raises(TypeError, match="cola_ud: accumulator_dtype"):
+    cola.c_cola_ud(0.1, friction=1.0, radius=0.2, accumulator_dtype=jnp.int8)
 
 
 @pytest.mark.slow
@@ -206,6 +211,6 @@ def test_state_bytes_script_counts_four_bytes_per_slack_and_momentum(load_benchm
   assert rows["cola_ud, Circle(0.2)"]["float32_bytes"] == F32 * (kernels + entries) + radii
   key = rows["cola_ud, Circle(0.2)"]["state_bytes"] - rows["cola_ud, Circle(0.2)"]["float32_bytes"] - 4  # - count
   assert key == 8  # threefry key data: two uint32
-  with_bf16_momenta = rows["cola_ud, Circle(0.2), momentum_dtype=bfloat16"]["state_bytes"]
+  with_bf16_momenta = rows["cola_ud, Circle(0.2), accumulator_dtype=bfloat16"]["state_bytes"]
   assert with_bf16_momenta == F32 * kernels + radii + BF16 * entries + key + 4
   assert rows["optax.sgd(0.01, momentum=0.9)"]["state_bytes"] == bf16["param_bytes"]

@@ -440,14 +440,14 @@ def test_updates_come_in_the_parameter_dtype_and_the_state_keeps_its_dtypes(name
 @pytest.mark.parametrize("params_dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("state_dtype", [None, "bfloat16", "float32"])
 def test_explicit_state_dtype(params_dtype, state_dtype):
-  """alias_test test_explicit_dtype: cola_ud's momentum_dtype, and constrained's inner accumulator/mu dtype."""
+  """alias_test test_explicit_dtype: cola_ud's accumulator_dtype, and constrained's inner accumulator/mu dtype."""
   params, spec, _ = tree_problem("orthogonal", params_dtype)
   expected = jnp.dtype(state_dtype) if state_dtype else _compute_dtype(params_dtype)
   h, friction = cola.sgd_momentum_to_langevin(0.1, 0.9)
   for tx in (
-    cola.cola_ud(h, friction=friction, constraints=spec, momentum_dtype=state_dtype),
-    cola.c_cola_ud(h, friction=friction, radius=RADIUS, mask={"x": True, "free": False}, momentum_dtype=state_dtype),
-    cola.o_cola_ud(h, friction=friction, momentum_dtype=state_dtype),
+    cola.cola_ud(h, friction=friction, constraints=spec, accumulator_dtype=state_dtype),
+    cola.c_cola_ud(h, friction=friction, radius=RADIUS, mask={"x": True, "free": False}, accumulator_dtype=state_dtype),
+    cola.o_cola_ud(h, friction=friction, accumulator_dtype=state_dtype),
   ):
     assert {m.dtype for m in jax.tree.leaves(tx.init(params).momentum)} == {expected}
   for tx, field in (

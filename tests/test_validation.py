@@ -84,6 +84,15 @@ def test_every_constraint_refuses_a_bad_number_at_construction(make, message, va
     make(value)
 
 
+@pytest.mark.parametrize(
+  "argument, value", [("beta", v) for v in (1.0, 2.0, INF, NAN, -0.1)] + [("gap_tolerance", v) for v in (INF, NAN, 0.0)]
+)
+def test_manifold_muon_refuses_a_bad_beta_or_gap_tolerance_at_construction(argument, value):
+  """``beta``, optax.contrib.muon's decay rate of the average, is in [0, 1); ``gap_tolerance`` is a positive gap."""
+  with pytest.raises(ValueError, match=rf"^manifold_muon: {argument} must be (in \[0, 1\)|non-negative|positive)"):
+    cola.manifold_muon(0.1, **{argument: value})
+
+
 def test_hyperparameters_that_are_not_real_scalars_are_type_or_value_errors():
   with pytest.raises(TypeError, match="cola_od: learning_rate must be a number, got '0.1'"):
     cola.cola_od("0.1")
@@ -95,6 +104,8 @@ def test_hyperparameters_that_are_not_real_scalars_are_type_or_value_errors():
     cola.cola_od(jnp.array([0.1, 0.2]))
   with pytest.raises(TypeError, match="max_iterations must be a number, not a schedule"):
     cola.Orthogonal(max_iterations=lambda count: 20)
+  with pytest.raises(TypeError, match="manifold_muon: beta must be a number, not a schedule"):
+    cola.manifold_muon(0.1, beta=lambda count: 0.9)
 
 
 def test_radius_tree_is_checked_at_construction_naming_its_path():

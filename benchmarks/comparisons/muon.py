@@ -81,7 +81,7 @@ METHODS = {
   "manifold_muon_m0": Method(
     "cola.manifold_muon (momentum 0: the reference's rule)",
     (0.05, 0.1, 0.2),
-    lambda lr, s: cola.manifold_muon(s, momentum=0.0, nesterov=False, constraints=ORTHOGONAL),
+    lambda lr, s: cola.manifold_muon(s, beta=0.0, nesterov=False, constraints=ORTHOGONAL),
     STIEFEL,
   ),
   "muon_on_manifold": Method(

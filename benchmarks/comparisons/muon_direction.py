@@ -5,7 +5,7 @@ On the gradients of the 784-128-64-10 MLP of ``muon.py`` (Fashion-MNIST, batch
 steps (seed 0), per kernel and step: the direction ``d`` (Nesterov momentum
 0.95, as the step uses it) and the kernel ``W``. Each variant gives a tangent
 ``A`` with ``|A|_2 <= 1``; its suboptimality is ``1 - <d, A> / <d, A*>``, with
-``A*`` the ADMM direction certified to a gap of ``--exact-tolerance``. The
+``A*`` the ADMM direction certified to a gap of ``--exact-gap-tolerance``. The
 variants:
 
 * ``admm_gap_<tol>``: :func:`cola_jax.stiefel_direction.steepest_tangent_direction`
@@ -52,7 +52,7 @@ from benchmarks.harness.records import write_report
 from benchmarks.harness.train import SOFTMAX, seed_keys
 from cola_jax.stiefel_direction import steepest_tangent_direction
 
-MOMENTUM = 0.95
+BETA = 0.95
 LEARNING_RATE = 0.1
 
 
@@ -71,9 +71,9 @@ def variants(gap_tolerances, iteration_counts) -> dict:
   """name: a function ``(w, d) -> (A, iterations, certified gap or NaN)``."""
   nan = jnp.array(jnp.nan)
 
-  def admm(tolerance, max_iterations):
+  def admm(gap_tolerance, max_iterations):
     def direction(w, d):
-      a, info = steepest_tangent_direction(w, d, tolerance=tolerance, max_iterations=max_iterations)
+      a, info = steepest_tangent_direction(w, d, gap_tolerance=gap_tolerance, max_iterations=max_iterations)
       return a, info.iterations, info.gap
 
     return direction
@@ -95,7 +95,7 @@ def trajectory(steps: int, smoke: bool):
   """Per step, per kernel: ``(W, d)`` along ``cola.manifold_muon(0.1)`` from seed 0's initial weights."""
   _, final = load_data(None, smoke)
   params = on_manifold(init_params(seed_keys(0)[0]), STIEFEL)
-  tx = cola.manifold_muon(LEARNING_RATE, constraints=cola.Orthogonal(), momentum=MOMENTUM)
+  tx = cola.manifold_muon(LEARNING_RATE, constraints=cola.Orthogonal(), beta=BETA)
   state = tx.init(params)
   x, y = jnp.asarray(final.x_train), jnp.asarray(final.y_train)
 
@@ -103,8 +103,8 @@ def trajectory(steps: int, smoke: bool):
   def step(params, state, idx):
     grads = jax.grad(lambda p: jnp.mean(SOFTMAX.loss(apply(p, x[idx]), y[idx])))(params)
     updates, new_state = tx.update(grads, state, params)
-    momentum = jax.tree.map(lambda m, g: MOMENTUM * m + (1 - MOMENTUM) * g, state.momentum, grads)
-    directions = jax.tree.map(lambda m, g: MOMENTUM * m + (1 - MOMENTUM) * g, momentum, grads)
+    momentum = jax.tree.map(lambda m, g: BETA * m + (1 - BETA) * g, state.momentum, grads)
+    directions = jax.tree.map(lambda m, g: BETA * m + (1 - BETA) * g, momentum, grads)
     return jax.tree.map(lambda p, u: p + u, params, updates), new_state, directions
 
   order = batch_orders(0, len(final.x_train), 1)[0]
@@ -120,7 +120,7 @@ def main(argv=None) -> dict:
   argv = sys.argv[1:] if argv is None else list(argv)
   p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
   p.add_argument("--steps", type=int, default=12, help="training steps whose gradients are solved")
-  p.add_argument("--exact-tolerance", type=float, default=1e-5, help="the certified gap of the reference direction")
+  p.add_argument("--exact-gap-tolerance", type=float, default=1e-5, help="the certified gap of the reference direction")
   p.add_argument("--out", default=None, help="output folder; default results/comparisons (--smoke: a temporary one)")
   p.add_argument("--smoke", action="store_true", help="two steps on a synthetic stand-in: seconds")
   args = p.parse_args(argv)
@@ -128,7 +128,9 @@ def main(argv=None) -> dict:
   steps = 2 if args.smoke else args.steps
   tolerances, counts = ((1e-2,), (10,)) if args.smoke else ((1e-2, 1e-3, 1e-4), (10, 30, 100, 300))
   fns = {name: jax.jit(f) for name, f in variants(tolerances, counts).items()}
-  exact = jax.jit(functools.partial(steepest_tangent_direction, tolerance=args.exact_tolerance, max_iterations=10000))
+  exact = jax.jit(
+    functools.partial(steepest_tangent_direction, gap_tolerance=args.exact_gap_tolerance, max_iterations=10000)
+  )
   pairs = trajectory(steps, args.smoke)
   layers = list(pairs[0])
   for w, d in pairs[0].values():  # compile
@@ -181,8 +183,8 @@ def main(argv=None) -> dict:
     "layers": layers,
     "shapes": {k: list(w.shape) for k, (w, _) in pairs[0].items()},
     "steps": steps,
-    "trajectory": f"cola.manifold_muon({LEARNING_RATE}, momentum={MOMENTUM}) from seed 0, Fashion-MNIST, batch {BATCH}",
-    "exact": f"steepest_tangent_direction(tolerance={args.exact_tolerance}, max_iterations=10000)",
+    "trajectory": f"cola.manifold_muon({LEARNING_RATE}, beta={BETA}) from seed 0, Fashion-MNIST, batch {BATCH}",
+    "exact": f"steepest_tangent_direction(gap_tolerance={args.exact_gap_tolerance}, max_iterations=10000)",
     "suboptimality": "1 - <d, A> / <d, A_exact> (float64 sums); A_exact's own certified gap in exact_gap",
     "ms": "one jitted call per kernel, summed over the kernels; median over the steps; variants interleaved",
     "smoke": args.smoke,

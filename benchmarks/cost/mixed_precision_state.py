@@ -63,8 +63,8 @@ def transforms(param_dtype) -> dict:
     out[f"cola_od, {name}"] = cola.cola_od(0.1, constraints=constraints, temperature=1e-6, key=key)
     out[f"cola_ud, {name}"] = cola.cola_ud(0.1, friction=1.0, constraints=constraints, temperature=1e-6, key=key)
     if param_dtype == jnp.bfloat16:
-      out[f"cola_ud, {name}, momentum_dtype=bfloat16"] = cola.cola_ud(
-        0.1, friction=1.0, constraints=constraints, temperature=1e-6, key=key, momentum_dtype=jnp.bfloat16
+      out[f"cola_ud, {name}, accumulator_dtype=bfloat16"] = cola.cola_ud(
+        0.1, friction=1.0, constraints=constraints, temperature=1e-6, key=key, accumulator_dtype=jnp.bfloat16
       )
   return out
 
