@@ -454,7 +454,17 @@ SPLITTINGS = {"OBA": Splitting("OBA"), "BAOAB": Splitting("BAOAB")}
 
 
 def splitting_named(owner: str, splitting) -> Splitting:
-  """The :class:`Splitting` that ``splitting`` names (a key of ``SPLITTINGS``) or is; ``owner`` names the caller."""
+  """The :class:`Splitting` that ``splitting`` names (a key of ``SPLITTINGS``) or is; ``owner`` names the caller.
+
+  Example:
+    >>> from cola_jax import langevin
+    >>> langevin.splitting_named("cola_ud", "BAOAB") == langevin.SPLITTINGS["BAOAB"]
+    True
+    >>> langevin.splitting_named("cola_ud", "ABO")
+    Traceback (most recent call last):
+    ...
+    ValueError: cola_ud: splitting must be one of ('OBA', 'BAOAB') or a cola.Splitting ..., got 'ABO'.
+  """
   if isinstance(splitting, Splitting):
     return splitting
   if isinstance(splitting, str) and splitting in SPLITTINGS:
