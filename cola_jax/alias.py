@@ -47,6 +47,16 @@ def _check_mask(owner: str, mask, where: str = "mask") -> None:
       )
 
 
+def _as_written(number) -> str:
+  """A number as a user writes it, also when it came as an array or a NumPy scalar (``optax.inject_hyperparams``)."""
+  if type(number) in (int, float):
+    return repr(number)
+  try:
+    return f"{float(number):g}"
+  except TypeError:  # traced
+    return repr(number)
+
+
 def _per_leaf(spec, params, what: str, owner: str):
   """A prefix pytree (or a callable giving one) broadcast to the parameters."""
   if is_function(spec):
@@ -145,7 +155,7 @@ def circle_constraints(radius: RadiusSpec, *, mask: MaskOrFn = None):
 
   # A radius per leaf (a pytree or a callable) names the leaves: the default mask then frees the rest quietly.
   per_leaf = is_function(radius) or not jax.tree_util.treedef_is_leaf(jax.tree.structure(radius))
-  spelled = None if per_leaf else f"cola.Circle({radius!r})"
+  spelled = None if per_leaf else f"cola.Circle({_as_written(radius)})"
   return _constraints_per_leaf(owner, mask, make, spelled, spec=radius)
 
 
