@@ -32,7 +32,7 @@ import optax
 
 from cola_jax import _compiled, _step_noise, _warn
 from cola_jax._platform import computed_after
-from cola_jax._tree import ConstraintSpec, is_function
+from cola_jax._tree import ConstraintSpec, broadcast, equinox_hint, is_function
 from cola_jax.constraints.base import Constraint, Euclidean
 
 _EUCLIDEAN = Euclidean()
@@ -101,7 +101,10 @@ class Leaves:
     self.owner = owner
     paths_and_leaves, self.treedef = jax.tree_util.tree_flatten_with_path(params)
     self.paths = [jax.tree_util.keystr(path) for path, _ in paths_and_leaves]
-    self.params = [self._array(leaf, "params", path) for path, (_, leaf) in zip(self.paths, paths_and_leaves)]
+    try:
+      self.params = [self._array(leaf, "params", path) for path, (_, leaf) in zip(self.paths, paths_and_leaves)]
+    except TypeError as error:
+      raise TypeError(f"{error}{equinox_hint(params)}") from None
     self.constraints: list[Constraint] = []
     # The geometry runs in at least float32 (float64 stays float64); updates
     # are returned in each parameter's own dtype.
@@ -396,15 +399,14 @@ class Driver:
     return leaves
 
   def _assign(self, leaves: Leaves, params) -> list[Constraint]:
-    spec = self.spec(params) if is_function(self.spec) else self.spec
-    try:
-      full = jax.tree.broadcast(spec, params, is_leaf=_is_constraint_leaf)
-      assigned = leaves.treedef.flatten_up_to(full)
-    except ValueError as error:
-      raise ValueError(
-        f"{self.owner}: constraints must be a Constraint, None, or a pytree "
-        f"prefix of the parameters with Constraint or None leaves.\n{error}"
-      ) from None
+    spec, what = (self.spec(params), "constraints(params)") if is_function(self.spec) else (self.spec, "constraints")
+    fix = (
+      "Give one Constraint or None for every leaf, a tree built from the parameters (jax.tree.map over them has "
+      "their structure) with Constraint or None leaves, or a callable of them, such as "
+      "cola.path_constraints([(regex, constraint), ...]), which fits any."
+    )
+    full = broadcast(self.owner, what, spec, params, _is_constraint_leaf, fix)
+    assigned = leaves.treedef.flatten_up_to(full)
     constraints = []
     for path, param, constraint in zip(leaves.paths, leaves.params, assigned):
       if constraint is None:
@@ -416,7 +418,8 @@ class Driver:
         )
       if not jnp.issubdtype(param.dtype, jnp.floating):
         raise TypeError(
-          f"{self.owner}: the leaf at {path} has dtype {param.dtype}; parameters must be floating point (params{path})."
+          f"{self.owner}: the leaf at {path} has dtype {param.dtype}; parameters must be floating point "
+          f"(params{path}).{equinox_hint(params)}"
         )
       constraint.validate(param, path)
       # A leaf without entries has nothing to move or constrain: it passes
