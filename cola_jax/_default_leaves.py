@@ -13,12 +13,12 @@ routed there with ``ndim >= 2`` is taken, names aside, and nothing is said.
 """
 
 import re
-import warnings
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from cola_jax import _warn
 from cola_jax.declared import is_box
 from cola_jax.path_rules import _path_name
 
@@ -61,22 +61,16 @@ def weight_matrices(owner: str, params, constraint: str | None, instead: str):
   taken = [name for name, take in zip(names, chosen) if take]
   if constraint is not None and names and len(taken) != 1:
     example = taken[0] if taken else names[0]
-    fix = (
-      f"e.g. to constrain {example} alone: constraints=cola.path_constraints([(r'{re.escape(example)}$', "
-      f"{constraint})])"
-    )
+    fix = f"constraints=cola.path_constraints([(r'{re.escape(example)}$', {constraint})])"
     if not taken:
       raise ValueError(
         f"{owner}: not told which leaves to constrain (no {instead}), it takes the weight matrices (every leaf "
         f"with ndim >= 2 but biases, scales and embedding tables), and these parameters have none: "
-        f"{', '.join(names)}. Say which leaves to constrain, {fix}."
+        f"{_warn.named(names)}. Say which leaves to constrain, e.g. {fix}."
       )
-    warnings.warn(
+    _warn.warn(
       f"{owner}: not told which leaves to constrain (no {instead}), it constrains these {len(taken)}: "
-      f"{', '.join(taken)}. That is the default for every entry: the weight matrices, every leaf with ndim >= 2 but "
-      "biases, scales and embedding tables, the first and last layers included. Say which leaves to constrain, "
-      f"{fix}; any {instead} given silences this warning.",
-      UserWarning,
-      stacklevel=2,
+      f"{_warn.named(taken)}. The default of every entry: each leaf with ndim >= 2 but biases, scales and embedding "
+      f"tables, the first and last layers included. Say which, e.g. {fix}; any {instead} silences this."
     )
   return treedef.unflatten(chosen)

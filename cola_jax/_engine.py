@@ -2,13 +2,13 @@
 
 A transform (``cola_od``, ``cola_ud``, ``constrained``, ``manifold_muon``, the
 samplers) builds one :class:`Driver` and is then its update rule alone. The
-driver resolves the constraint spec once per tree structure (at ``init``: a
-default's warning fires once), assigns each leaf its constraint (``free=``
-leaves included), checks the gradients and the state against the parameters
-(errors name the argument and the leaf's path, as in
-``grads['layer0']['w']``, at trace time: nothing is added to the compiled
-step), gives each leaf its PRNG key, re-establishes each stepped leaf's point
-on its manifold once, after its gradient
+driver resolves the constraint spec once per tree structure (at ``init``,
+which says each misuse once, at the user's line: :mod:`cola_jax._warn`),
+assigns each leaf its constraint (``free=`` leaves included), checks the
+gradients and the state against the parameters (errors name the argument and
+the leaf's path, as in ``grads['layer0']['w']``, at trace time: nothing is
+added to the compiled step), gives each leaf its PRNG key, re-establishes each
+stepped leaf's point on its manifold once, after its gradient
 (:func:`~cola_jax._platform.computed_after`), draws the leaves' noise from
 those points, maps the rule over the leaves and returns the updates and the
 leaves' constraint states.
@@ -30,9 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from cola_jax import _compiled, _step_noise
+from cola_jax import _compiled, _step_noise, _warn
 from cola_jax._platform import computed_after
-from cola_jax._tree import ConstraintSpec, is_function
+from cola_jax._tree import ConstraintSpec, broadcast, equinox_hint, is_function
 from cola_jax.constraints.base import Constraint, Euclidean
 
 _EUCLIDEAN = Euclidean()
@@ -101,7 +101,10 @@ class Leaves:
     self.owner = owner
     paths_and_leaves, self.treedef = jax.tree_util.tree_flatten_with_path(params)
     self.paths = [jax.tree_util.keystr(path) for path, _ in paths_and_leaves]
-    self.params = [self._array(leaf, "params", path) for path, (_, leaf) in zip(self.paths, paths_and_leaves)]
+    try:
+      self.params = [self._array(leaf, "params", path) for path, (_, leaf) in zip(self.paths, paths_and_leaves)]
+    except TypeError as error:
+      raise TypeError(f"{error}{equinox_hint(params)}") from None
     self.constraints: list[Constraint] = []
     # The geometry runs in at least float32 (float64 stays float64); updates
     # are returned in each parameter's own dtype.
@@ -370,16 +373,23 @@ class Driver:
     self.steps_free_leaves = steps_free_leaves
     self.check = check
     self._resolved: dict = {}
+    self._said: set[str] = set()
 
-  def leaves(self, params) -> Leaves:
-    """The leaves of ``params`` with their constraints, resolved the first time this structure is seen."""
+  def leaves(self, params, say: bool = True) -> Leaves:
+    """The leaves of ``params`` with their constraints, resolved the first time this structure is seen.
+
+    ``say``: the resolution's warnings are said (each once per driver), as at
+    ``init``; an update's resolution (a structure that could not be kept, a
+    transform rebuilt by ``optax.inject_hyperparams``) says nothing: the
+    ``init`` of its state said it.
+    """
     leaves = Leaves(self.owner, params)
     try:
       constraints = self._resolved.get(leaves.signature)
     except TypeError:  # an unhashable tree structure
       constraints = None
     if constraints is None:
-      constraints = self._assign(leaves, params)
+      constraints = _warn.gather(lambda: self._assign(leaves, params), self._said if say else None)
       try:
         hash(tuple(constraints))  # a traced hyperparameter is not kept beyond this trace
         self._resolved[leaves.signature] = constraints
@@ -389,15 +399,14 @@ class Driver:
     return leaves
 
   def _assign(self, leaves: Leaves, params) -> list[Constraint]:
-    spec = self.spec(params) if is_function(self.spec) else self.spec
-    try:
-      full = jax.tree.broadcast(spec, params, is_leaf=_is_constraint_leaf)
-      assigned = leaves.treedef.flatten_up_to(full)
-    except ValueError as error:
-      raise ValueError(
-        f"{self.owner}: constraints must be a Constraint, None, or a pytree "
-        f"prefix of the parameters with Constraint or None leaves.\n{error}"
-      ) from None
+    spec, what = (self.spec(params), "constraints(params)") if is_function(self.spec) else (self.spec, "constraints")
+    fix = (
+      "Give one Constraint or None for every leaf, a tree built from the parameters (jax.tree.map over them has "
+      "their structure) with Constraint or None leaves, or a callable of them, such as "
+      "cola.path_constraints([(regex, constraint), ...]), which fits any."
+    )
+    full = broadcast(self.owner, what, spec, params, _is_constraint_leaf, fix)
+    assigned = leaves.treedef.flatten_up_to(full)
     constraints = []
     for path, param, constraint in zip(leaves.paths, leaves.params, assigned):
       if constraint is None:
@@ -409,7 +418,8 @@ class Driver:
         )
       if not jnp.issubdtype(param.dtype, jnp.floating):
         raise TypeError(
-          f"{self.owner}: the leaf at {path} has dtype {param.dtype}; parameters must be floating point (params{path})."
+          f"{self.owner}: the leaf at {path} has dtype {param.dtype}; parameters must be floating point "
+          f"(params{path}).{equinox_hint(params)}"
         )
       constraint.validate(param, path)
       # A leaf without entries has nothing to move or constrain: it passes
@@ -449,7 +459,7 @@ class Driver:
     ``draw(constraint, key, point)``; without either no noise is drawn and
     the key passes on unchanged.
     """
-    leaves = self.leaves(params)
+    leaves = self.leaves(params, say=False)
     grad_leaves = leaves.gradients(grads)
     stepped = self.stepped(leaves)
     skip = [not s for s in stepped]

@@ -22,7 +22,7 @@ import optax
 
 from cola_jax._default_leaves import weight_matrices
 from cola_jax._hyperparameters import called_as, caller, check_nonnegative, check_positive
-from cola_jax._tree import ConstraintSpec, is_function
+from cola_jax._tree import ConstraintSpec, broadcast, is_function
 from cola_jax.constraints.circle import Circle
 from cola_jax.constraints.orthogonal import Orthogonal
 from cola_jax.langevin import Splitting
@@ -47,14 +47,26 @@ def _check_mask(owner: str, mask, where: str = "mask") -> None:
       )
 
 
-def _per_leaf(spec, params, what: str, owner: str):
+def _as_written(number) -> str:
+  """A number as a user writes it, also when it came as an array or a NumPy scalar (``optax.inject_hyperparams``)."""
+  if type(number) in (int, float):
+    return repr(number)
+  try:
+    return f"{float(number):g}"
+  except TypeError:  # traced
+    return repr(number)
+
+
+def _per_leaf(spec, params, what: str, owner: str, fix: str):
   """A prefix pytree (or a callable giving one) broadcast to the parameters."""
   if is_function(spec):
-    spec = spec(params)
-  try:
-    return jax.tree.broadcast(spec, params, is_leaf=lambda x: x is None)
-  except ValueError as error:
-    raise ValueError(f"{owner}: {what} must be a pytree prefix of the parameters.\n{error}") from None
+    spec, what = spec(params), f"{what}(params)"
+  return broadcast(owner, what, spec, params, lambda x: x is None, fix)
+
+
+_BUILT = "a tree built from the parameters (jax.tree.map over them has their structure)"
+_MASK_FIX = f"Give {_BUILT} with bool or None leaves, or a callable params -> mask, as for optax.masked."
+_RADIUS_FIX = f"Give one number for every leaf, {_BUILT} with number or None leaves, or a callable params -> radii."
 
 
 def _constraints_per_leaf(
@@ -79,8 +91,8 @@ def _constraints_per_leaf(
       chosen = mask(params) if is_function(mask) else mask
     if is_function(mask):
       _check_mask(owner, chosen, "mask(params)")
-    masks = _per_leaf(chosen, params, "mask", owner)
-    specs = _per_leaf(spec, params, "radius", owner)
+    masks = _per_leaf(chosen, params, "mask(params)" if is_function(mask) else "mask", owner, _MASK_FIX)
+    specs = _per_leaf(spec, params, "radius", owner, _RADIUS_FIX)
 
     def assign(path, masked_in, leaf_spec, _):
       if masked_in is None or not masked_in or leaf_spec is None:
@@ -145,7 +157,7 @@ def circle_constraints(radius: RadiusSpec, *, mask: MaskOrFn = None):
 
   # A radius per leaf (a pytree or a callable) names the leaves: the default mask then frees the rest quietly.
   per_leaf = is_function(radius) or not jax.tree_util.treedef_is_leaf(jax.tree.structure(radius))
-  spelled = None if per_leaf else f"cola.Circle({radius!r})"
+  spelled = None if per_leaf else f"cola.Circle({_as_written(radius)})"
   return _constraints_per_leaf(owner, mask, make, spelled, spec=radius)
 
 

@@ -2,8 +2,8 @@
 come from committed results, and the API reference has every public name.
 
 Every ```python block of a page runs, top to bottom and page by page, in one fresh namespace per page,
-as a reader would paste them into a fresh interpreter. The claims a block's comments make are checked
-on the page's namespace after that block (``CLAIMS``). The site itself is built by ``.ci/run``
+as a reader would paste them into a fresh interpreter, and none makes cola_jax warn. The claims a block's
+comments make are checked on the page's namespace after that block (``CLAIMS``). The site itself is built by ``.ci/run``
 (``python -m sphinx -W``).
 """
 
@@ -17,6 +17,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
+from _said import cola_warnings
 
 import cola_jax
 
@@ -70,6 +71,24 @@ def _state_shardings(ns):
   assert state_shardings.momentum == shardings  # the momenta are copies of the parameters
   assert state_shardings.constraint_states == state_shardings.count == ns["replicated"]
   assert ns["opt_state"].momentum["kernel"].sharding == shardings["kernel"]
+
+
+def _kernels_bounded_rest_on_adam(ns):
+  params = {
+    "embed": {"embedding": jnp.full((5, 4), 0.5)},
+    "hidden": {"kernel": jnp.full((4, 4), 0.05), "bias": jnp.zeros(4)},
+    "output_layer": {"kernel": jnp.full((4, 3), 0.05), "bias": jnp.zeros(3)},
+  }
+  with cola_warnings() as said:  # the rule names the leaves: nothing to warn about when copied
+    state = ns["tx"].init(params)
+    updates, state = ns["tx"].update(jax.tree.map(lambda p: jnp.full_like(p, -10.0), params), state, params)
+  assert not said, said[0].message
+  new = jax.tree.map(lambda p, u: p + u, params, updates)
+  for layer in ("hidden", "output_layer"):  # SGD-m's step of 0.9 would leave [-0.1, 0.1]
+    kernel = new[layer]["kernel"]
+    assert float(jnp.max(jnp.abs(kernel))) <= 0.1 * (1 + 1e-6) and float(jnp.min(kernel)) > 0.05, layer
+  for leaf in (new["embed"]["embedding"] - 0.5, new["hidden"]["bias"], new["output_layer"]["bias"]):
+    assert float(jnp.max(jnp.abs(leaf - 1e-3))) < 1e-6  # Adam's first step, -1e-3 sign(g)
 
 
 def _choosing(ns):
@@ -167,6 +186,7 @@ CLAIMS = {  # a line of a block -> the check of what its comments say
   "params, states = train_seeds(": _seeds,
   "params = jax.device_put(params, shardings)": _sharded,
   "state_shardings = optax.tree.map_params(": _state_shardings,
+  "tx = cola.c_cola_ud(0.3, friction=1.0, constraints=kernels, free=optax.adam(1e-3))": _kernels_bounded_rest_on_adam,
   "sgd_learning_rate, momentum = cola.langevin_to_sgd_momentum(h, gamma)": _choosing,
   "# hidden kernels orthonormal, the rest by Adam": _hidden_orthonormal_rest_adam,
   "opt_state.constraint_states['kernel'].converged": _implicit,
@@ -200,7 +220,9 @@ def test_page_runs_top_to_bottom(page):
   config = jax.config.values
   try:
     for block in blocks:
-      exec(compile(block, str(page), "exec"), namespace)
+      with cola_warnings() as said:
+        exec(compile(block, str(page), "exec"), namespace)
+      assert not said, f"a block of {page.name} warns, as it would when copied: {said[0].message}"
       for line, check in CLAIMS.items():
         if line in block:
           check(namespace)

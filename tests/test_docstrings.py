@@ -1,4 +1,5 @@
-"""Every docstring example in cola_jax runs under doctest and prints what it shows; every public entry has one."""
+"""Every docstring example in cola_jax runs under doctest, prints what it shows and does not warn; every public entry
+has one."""
 
 import doctest
 import importlib
@@ -10,6 +11,7 @@ import sys
 import types
 
 import pytest
+from _said import cola_warnings
 
 import cola_jax
 
@@ -24,9 +26,11 @@ def test_docstring_examples(name):
   finder = doctest.DocTestFinder(exclude_empty=True)
   runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
   report = io.StringIO()
-  for test in finder.find(module, name, globs={}):  # the module's own objects only
-    runner.run(test, out=report.write)
+  with cola_warnings() as said:
+    for test in finder.find(module, name, globs={}):  # the module's own objects only
+      runner.run(test, out=report.write)
   assert runner.failures == 0, report.getvalue()
+  assert not said, f"an example in {name} warns: {said[0].message}"
 
 
 def test_the_examples_are_found():

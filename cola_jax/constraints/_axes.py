@@ -16,8 +16,9 @@ is known.
 import math
 import operator
 import re
-import warnings
 from collections.abc import Callable
+
+from cola_jax import _warn
 
 
 def normalize(owner: str, name: str, value) -> tuple[int, ...] | None:
@@ -114,40 +115,55 @@ def _names(path: str) -> list[str]:
   return [key if key is not None else attribute for key, attribute in parts]
 
 
-def warn_if_ambiguous(what: str, shape: tuple[int, ...], path: str, spell: Callable[[str, str], str]) -> None:
-  """Warns, naming the leaf, when a 3-D leaf meets a constraint's default view (inputs first, outputs last).
+def warn_if_ambiguous(what: str, shape: tuple[int, ...], path: str, spell: Callable[..., str], units: bool = False):
+  """Warns, naming the leaf, when a 3-D leaf's default view (inputs first, outputs last) is no matrix it holds.
 
-  Flax's attention kernels are recognised by their paths (``query``,
-  ``key``, ``value``: ``(features, heads, head_dim)``; ``out``:
-  ``(heads, head_dim, features)``) and the warning spells their per-head and
-  per-layer axes; a leaf whose path mentions ``conv`` (``Conv_0``,
-  ``conv1``) is a 1-D conv kernel ``(width, in, out)``, the default's own
-  reading, and passes quietly.
-  ``spell(inputs, outputs)`` writes the constraint with those axes.
+  Flax's attention kernels are recognised by their paths. A ``query``,
+  ``key`` or ``value`` kernel ``(features, heads, head_dim)`` is viewed as
+  one ``(features * heads, head_dim)`` matrix, neither per head nor per
+  layer: the warning spells both. An ``out`` kernel ``(heads, head_dim,
+  features)`` is viewed as the layer's ``(heads * head_dim, features)``
+  matrix and passes quietly, as does a leaf whose path mentions ``conv``
+  (``Conv_0``, ``conv1``): a 1-D conv kernel ``(width, in, out)``, the
+  default's own reading. The leaves with the same misuse make one warning
+  (:mod:`cola_jax._warn`).
+
+  ``spell(rows, columns)`` writes a matrix constraint with those axes;
+  ``units``: the constraint norms units (``UnitNorm``, ``MaxNorm``) and
+  ``spell(axis)`` writes it normed over those axes.
   """
   if len(shape) != 3:
     return
   names = _names(path)
   layer = names[-2] if len(names) >= 2 and names[-1] == "kernel" else None
-  where = f"{what} on the leaf at {path}, of shape {shape}"
-  if layer in _IN_PROJECTIONS:
-    message = (
-      f"{where}: a Flax attention kernel (features, heads, head_dim), which the default views as one "
-      f"({shape[0] * shape[1]}, {shape[2]}) matrix, features and heads together: neither per head nor per layer. "
-      f"Per head: {spell('0', '2')}; per layer: {spell('0', '(1, 2)')}."
-    )
-  elif layer == "out":
-    message = (
-      f"{where}: a Flax attention output kernel (heads, head_dim, features), which the default views as one "
-      f"({shape[0] * shape[1]}, {shape[2]}) matrix, the layer's. Per head: {spell('1', '2')}; per layer, "
-      f"silencing this: {spell('(0, 1)', '2')}."
-    )
-  elif any("conv" in name.lower() for name in names):
+  if layer == "out" or any("conv" in name.lower() for name in names):
     return
+  if layer in _IN_PROJECTIONS:
+    kind = ("Flax attention kernel", "Flax attention kernels", " (features, heads, head_dim)")
+    if units:
+      view = "norms each over its features and heads together, one unit per head_dim index"
+      fixes = (
+        f"Per head: {spell('(0, 2)')}, each head's (features, head_dim) matrix one unit; per layer: {spell('0')}, "
+        "each column of its (features, heads * head_dim) matrix (and so of each head's)."
+      )
+    else:
+      view = f"views each as one (features * heads, head_dim) matrix, ({shape[0] * shape[1]}, {shape[2]}) for {shape}"
+      fixes = f"Per head: {spell('0', '2')}; per layer: {spell('0', '(1, 2)')}."
+    fixes = f"neither per head nor per layer. {fixes}"
   else:
-    message = (
-      f"{where}: viewed as one ({shape[0] * shape[1]}, {shape[2]}) matrix, as a 1-D conv kernel (width, in, out). "
-      "A multi-head kernel or a stack of layers is not that matrix: name its axes, e.g. one matrix per index of "
-      f"axis 0: {spell('1', '2')}; {spell('(0, 1)', '2')} keeps this view and silences this."
-    )
-  warnings.warn(message, UserWarning, stacklevel=3)
+    kind = ("3-D leaf", "3-D leaves", "")
+    if units:
+      view = "norms each over its axes 0 and 1, one unit per index of axis 2, as a 1-D conv kernel (width, in, out)"
+      fixes = f"per index of axis 0, each column of its matrix: {spell('1')}; {spell('(0, 1)')}"
+    else:
+      view = f"views each as one ({shape[0] * shape[1]}, {shape[2]}) matrix for {shape}, as a 1-D conv kernel"
+      view += " (width, in, out)"
+      fixes = f"one matrix per index of axis 0: {spell('1', '2')}; {spell('(0, 1)', '2')}"
+    fixes = f"a multi-head kernel or a stack of layers is not that. Name the axes, e.g. {fixes} keeps this view"
+    fixes += " and silences this."
+
+  def compose(leaves: str, count: int) -> str:
+    many = f"{count} {kind[1]}" if count > 1 else f"one {kind[0]}"
+    return f"{what} with its default axes on {many}{kind[2]}: {leaves}. It {view}: {fixes}"
+
+  _warn.warn_about((what, kind, fixes), path, compose)

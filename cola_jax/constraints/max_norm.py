@@ -239,9 +239,8 @@ class MaxNorm(Constraint):
   def validate(self, param, path):
     _check_axis("MaxNorm", self.axis, param, path)
     if self.axis is None:
-      _axes.warn_if_ambiguous(
-        "MaxNorm constraint", param.shape, path, lambda inputs, _: f"MaxNorm({self.radius!r}, axis={inputs})"
-      )
+      spell = lambda axis: f"MaxNorm({self.radius!r}, axis={axis})"
+      _axes.warn_if_ambiguous("MaxNorm constraint", param.shape, path, spell, units=True)
 
   def _dot(self, a, b):
     """Per-unit inner product, reduced axes kept with size 1."""

@@ -151,9 +151,8 @@ class UnitNorm(Constraint):
   def validate(self, param, path):
     _check_axis("UnitNorm", self.axis, param, path)
     if self.axis is None:
-      _axes.warn_if_ambiguous(
-        "UnitNorm constraint", param.shape, path, lambda inputs, _: f"UnitNorm({self.radius!r}, axis={inputs})"
-      )
+      spell = lambda axis: f"UnitNorm({self.radius!r}, axis={axis})"
+      _axes.warn_if_ambiguous("UnitNorm constraint", param.shape, path, spell, units=True)
     axes = self._sphere._axes(param.ndim)
     n = math.prod(param.shape[a] for a in axes)
     if n < 2 and param.size > 0:
