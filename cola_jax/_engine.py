@@ -4,7 +4,8 @@ A transform (``cola_od``, ``cola_ud``, ``constrained``, ``manifold_muon``, the
 samplers) builds one :class:`Driver` and is then its update rule alone. The
 driver resolves the constraint spec once per tree structure (at ``init``: a
 default's warning fires once), assigns each leaf its constraint (``free=``
-leaves included), checks the gradients and the state against the parameters
+leaves included; ``UnitNorm`` and ``MaxNorm`` without ``axis`` read in the
+leaf's layer, :mod:`~cola_jax._layers`), checks the gradients and the state against the parameters
 (errors name the argument and the leaf's path, as in
 ``grads['layer0']['w']``, at trace time: nothing is added to the compiled
 step), gives each leaf its PRNG key, re-establishes each stepped leaf's point
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from cola_jax import _compiled, _step_noise
+from cola_jax import _compiled, _layers, _step_noise
 from cola_jax._platform import computed_after
 from cola_jax._tree import ConstraintSpec, is_function
 from cola_jax.constraints.base import Constraint, Euclidean
@@ -399,7 +400,8 @@ class Driver:
         f"prefix of the parameters with Constraint or None leaves.\n{error}"
       ) from None
     constraints = []
-    for path, param, constraint in zip(leaves.paths, leaves.params, assigned):
+    layers = _layers.of_leaves(params)
+    for path, param, constraint, layer in zip(leaves.paths, leaves.params, assigned, layers):
       if constraint is None:
         constraint = _EUCLIDEAN
       if not isinstance(constraint, Constraint):
@@ -411,6 +413,7 @@ class Driver:
         raise TypeError(
           f"{self.owner}: the leaf at {path} has dtype {param.dtype}; parameters must be floating point (params{path})."
         )
+      constraint = _layers.read_in(constraint, layer, param.shape, path)
       constraint.validate(param, path)
       # A leaf without entries has nothing to move or constrain: it passes
       # as under optax.sgd (and reports no residual).
