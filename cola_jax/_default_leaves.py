@@ -3,10 +3,12 @@
 ``c_cola_*`` and ``o_cola_*`` without ``mask=`` or ``constraints=``, and
 ``hyperspherical_descent`` and ``manifold_muon`` without ``constraints=``,
 constrain the weight matrices: every leaf with ``ndim >= 2`` except biases,
-scales and embedding tables, told apart by their paths (Flax linen and nnx name
-them ``kernel``, ``bias``, ``scale``, ``embedding``; Equinox ``weight`` and
-``bias``, inside a layer its user names, such as ``embed``). Parameters that
-are one array are that array. The choice is said where it is made: more than
+scales and embedding tables. Flax linen and nnx tell them apart by name
+(``kernel``, ``bias``, ``scale``, ``embedding``); Equinox calls a Linear's
+matrix and an Embedding's table both ``weight``, and the table is told by its
+module, ``eqx.nn.Embedding`` (:mod:`cola_jax._layers`); a leaf or a layer whose
+name says ``embed`` holds a table too. Parameters that are one array are that
+array. The choice is said where it is made: more than
 one leaf taken is a ``UserWarning`` naming them, none an error. Within
 ``optax.masked`` or ``optax.partition`` the labels chose already: every leaf
 routed there with ``ndim >= 2`` is taken, names aside, and nothing is said.
@@ -18,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from cola_jax import _warn
+from cola_jax import _layers, _warn
 from cola_jax.declared import is_box
 from cola_jax.path_rules import _path_name
 
@@ -31,11 +33,12 @@ def _is_matrix(leaf) -> bool:
   return len(arrays) == 1 and jnp.ndim(arrays[0]) >= 2
 
 
-def _is_weight_matrix(name: str, leaf) -> bool:
+def _is_weight_matrix(name: str, leaf, held_by: str | None) -> bool:
   if not name:  # the parameters are this one array
     return True
   *layer, last = name.split("/")
-  return _is_matrix(leaf) and not _FREE_LEAF.search(last) and not (layer and _FREE_LAYER.search(layer[-1]))
+  free = held_by == _layers.TABLE or _FREE_LEAF.search(last) or (layer and _FREE_LAYER.search(layer[-1]))
+  return _is_matrix(leaf) and not free
 
 
 def _within_masked(params) -> bool:
@@ -57,7 +60,8 @@ def weight_matrices(owner: str, params, constraint: str | None, instead: str):
   if _within_masked(params):
     return treedef.unflatten([_is_matrix(leaf) for _, leaf in paths_and_leaves])
   names = [_path_name(path) for path, _ in paths_and_leaves]
-  chosen = [_is_weight_matrix(name, leaf) for name, (_, leaf) in zip(names, paths_and_leaves)]
+  layers = _layers.of_leaves(params, is_leaf=is_box)
+  chosen = [_is_weight_matrix(name, leaf, held) for name, (_, leaf), held in zip(names, paths_and_leaves, layers)]
   taken = [name for name, take in zip(names, chosen) if take]
   if constraint is not None and names and len(taken) != 1:
     example = taken[0] if taken else names[0]

@@ -4,11 +4,13 @@ A transform (``cola_od``, ``cola_ud``, ``constrained``, ``manifold_muon``, the
 samplers) builds one :class:`Driver` and is then its update rule alone. The
 driver resolves the constraint spec once per tree structure (at ``init``,
 which says each misuse once, at the user's line: :mod:`cola_jax._warn`),
-assigns each leaf its constraint (``free=`` leaves included), checks the
-gradients and the state against the parameters (errors name the argument and
-the leaf's path, as in ``grads['layer0']['w']``, at trace time: nothing is
-added to the compiled step), gives each leaf its PRNG key, re-establishes each
-stepped leaf's point on its manifold once, after its gradient
+assigns each leaf its constraint (``free=`` leaves included; ``UnitNorm`` and
+``MaxNorm`` without ``axis`` read in the leaf's layer,
+:mod:`~cola_jax._layers`), checks the gradients and the state against the
+parameters (errors name the argument and the leaf's path, as in
+``grads['layer0']['w']``, at trace time: nothing is added to the compiled
+step), gives each leaf its PRNG key, re-establishes each stepped leaf's point
+on its manifold once, after its gradient
 (:func:`~cola_jax._platform.computed_after`), draws the leaves' noise from
 those points, maps the rule over the leaves and returns the updates and the
 leaves' constraint states.
@@ -30,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from cola_jax import _compiled, _step_noise, _warn
+from cola_jax import _compiled, _layers, _step_noise, _warn
 from cola_jax._platform import computed_after
 from cola_jax._tree import ConstraintSpec, broadcast, equinox_hint, is_function
 from cola_jax.constraints.base import Constraint, Euclidean
@@ -408,7 +410,8 @@ class Driver:
     full = broadcast(self.owner, what, spec, params, _is_constraint_leaf, fix)
     assigned = leaves.treedef.flatten_up_to(full)
     constraints = []
-    for path, param, constraint in zip(leaves.paths, leaves.params, assigned):
+    layers = _layers.of_leaves(params)
+    for path, param, constraint, layer in zip(leaves.paths, leaves.params, assigned, layers):
       if constraint is None:
         constraint = _EUCLIDEAN
       if not isinstance(constraint, Constraint):
@@ -421,6 +424,7 @@ class Driver:
           f"{self.owner}: the leaf at {path} has dtype {param.dtype}; parameters must be floating point "
           f"(params{path}).{equinox_hint(params)}"
         )
+      constraint = _layers.read_in(constraint, layer, param.shape, path)
       constraint.validate(param, path)
       # A leaf without entries has nothing to move or constrain: it passes
       # as under optax.sgd (and reports no residual).

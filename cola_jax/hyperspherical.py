@@ -89,8 +89,9 @@ def hyperspherical_descent(
   ``optax.chain(optax.normalize_by_update_norm(), optax.sgd(learning_rate))``
   (which divides the whole update tree by its norm plus ``1e-6``). Each weight unit ``w`` lies on a sphere
   of radius ``r`` given by a :class:`~cola_jax.UnitNorm` constraint: the whole
-  leaf, ``|W|_F = r``, for ``axis="all"`` (the default's), or each column of a
-  Dense kernel for ``UnitNorm()``, each row for ``UnitNorm(axis=-1)``. With the
+  leaf, ``|W|_F = r``, for ``axis="all"`` (the default's), or each output
+  unit's incoming weights for ``UnitNorm()`` (a column of a Flax kernel, a row
+  of an Equinox weight), each row for ``UnitNorm(axis=-1)``. With the
   loss gradient ``g`` restricted to the unit,
 
   .. math::

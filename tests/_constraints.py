@@ -42,6 +42,7 @@ VARIANTS = [
   ("unit_norm_all", cola.UnitNorm(2.0, axis="all"), (3, 2)),
   ("max_norm_all", cola.MaxNorm(0.5, axis="all"), (3, 2)),
   ("orthogonal_per_matrix", cola.Orthogonal(row_axes=(1,), column_axes=(2,)), (2, 4, 3)),
+  ("orthogonal_per_head", cola.Orthogonal(blocks=(2, 1)), (4, 6)),
   ("orthogonal_newton", cola.Orthogonal(projection="newton"), (5, 3)),
   ("orthogonal_square_root", cola.Orthogonal(projection="square_root"), (4, 4)),
   ("max_spectral_norm_per_matrix", cola.MaxSpectralNorm(0.5, row_axes=(1,), column_axes=(2,)), (2, 4, 3)),

@@ -116,6 +116,20 @@ def _attention_per_head(ns):
   assert float(jnp.max(jnp.abs(gram - jnp.eye(out.shape[1])))) < 1e-5
 
 
+def _equinox_attention_per_head(ns):
+  params, heads = ns["params"], ns["heads"]
+  for name in ("query_proj", "key_proj", "value_proj"):  # (heads * head_dim, features): B B^T = I per head
+    blocks = getattr(params, name).weight.reshape(heads, -1, ns["width"])
+    gram = jnp.einsum("hdf,hef->hde", blocks, blocks)
+    assert float(jnp.max(jnp.abs(gram - jnp.eye(blocks.shape[1])))) < 1e-5, name
+    assert float(jnp.max(jnp.abs(blocks[0] @ blocks[1].T))) > 0.05, name  # the heads not orthogonal to each other
+  out = params.output_proj.weight.reshape(ns["width"], heads, -1)  # (features, heads, head_dim): B^T B = I per head
+  gram = jnp.einsum("fhd,fhe->hde", out, out)
+  assert float(jnp.max(jnp.abs(gram - jnp.eye(out.shape[2])))) < 1e-5
+  residuals = cola_jax.constraint_residuals(params, ns["opt_state"])
+  assert residuals.query_proj.bias is None and residuals.output_proj.bias is None  # the biases free
+
+
 def _implicit(ns):
   assert bool(ns["opt_state"].constraint_states["kernel"].converged)
 
@@ -191,6 +205,7 @@ CLAIMS = {  # a line of a block -> the check of what its comments say
   "# hidden kernels orthonormal, the rest by Adam": _hidden_orthonormal_rest_adam,
   "opt_state.constraint_states['kernel'].converged": _implicit,
   "query = model.attention.query.kernel[...]": _attention_per_head,
+  "eqx_query = params.query_proj.weight.reshape(heads, 8, width)": _equinox_attention_per_head,
   "h, gamma = cola.sgd_momentum_to_langevin(0.1, 0.9)": _from_sgd_momentum,
   "ud_loss, adam_loss = loss(ud_params), loss(adam_params)": _custom_constraint,
   "chain = cola.sampling.sample_chain(step, init(params)": _sampling,

@@ -1,8 +1,9 @@
 """``cola.constrained`` on an Equinox model: arrays filtered by ``eqx.is_array``, constraints by path rules.
 
 Equinox stores a Linear's weight as ``(out, in)``: a unit's incoming weights are
-a row, so per-unit constraints need ``axis=-1`` there (their default, every
-axis but the last, is Flax's ``(in, out)`` column).
+a row, and per-unit constraints without ``axis`` read them so where the tree
+shows the ``eqx.nn.Linear`` that holds the weight; a bare array is read as
+Flax's ``(in, out)`` kernel, a column per unit, with a warning.
 """
 
 import jax
@@ -16,11 +17,13 @@ import cola_jax as cola
 eqx = pytest.importorskip("equinox")
 
 
-def test_per_unit_constraints_need_axis_minus_one_in_equinox_layout():
-  weight = eqx.nn.Linear(5, 3, key=jax.random.key(0)).weight  # (out, in) = (3, 5)
-  rows = cola.project_params(weight, cola.UnitNorm(axis=-1))
-  np.testing.assert_allclose(jnp.linalg.norm(rows, axis=1), 1.0, rtol=1e-6)  # one norm per output unit
-  columns = cola.project_params(weight, cola.UnitNorm())  # the Flax default: each of the 5 inputs
+def test_per_unit_constraints_read_an_equinox_weight_by_rows():
+  linear = eqx.filter(eqx.nn.Linear(5, 3, use_bias=False, key=jax.random.key(0)), eqx.is_array)  # (out, in) = (3, 5)
+  rows = cola.project_params(linear, cola.UnitNorm()).weight  # in its Linear: one norm per output unit
+  np.testing.assert_allclose(jnp.linalg.norm(rows, axis=1), 1.0, rtol=1e-6)
+  np.testing.assert_array_equal(rows, cola.project_params(linear.weight, cola.UnitNorm(axis=-1)))
+  with pytest.warns(UserWarning, match=r"of shape \(3, 5\): a matrix in no layer whose layout is known"):
+    columns = cola.project_params(linear.weight, cola.UnitNorm())  # a bare array: the Flax reading, each input
   np.testing.assert_allclose(jnp.linalg.norm(columns, axis=0), 1.0, rtol=1e-6)
   assert not np.allclose(jnp.linalg.norm(columns, axis=1), 1.0)
 

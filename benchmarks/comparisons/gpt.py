@@ -84,7 +84,9 @@ PER_HEAD = [
 SPHERES = [
   (r"embedding$", cola.UnitNorm(axis=-1)),  # (vocab or length, width): each row
   (r"(query|key|value)/kernel$", cola.UnitNorm(axis=0)),  # (width, heads, head_dim): along the width
-  (r"out/kernel$", cola.UnitNorm(axis=(0, 1))),  # (heads, head_dim, width): each width-vector
+  # (heads, head_dim, width): each output unit's incoming weights, as results/comparisons/gpt.json was run;
+  # nGPT's sphere (docs/guides/normalized_transformers.md) is axis=-1, each width-vector.
+  (r"out/kernel$", cola.UnitNorm(axis=(0, 1))),
   (r"(up|head)/kernel$", cola.UnitNorm(axis=0)),  # (width, out): each column
   (r"down/kernel$", cola.UnitNorm(axis=-1)),  # (4 width, width): each row
 ]

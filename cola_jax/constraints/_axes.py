@@ -56,6 +56,30 @@ def matrix_axes(owner: str, row_axes, column_axes) -> tuple[tuple[int, ...] | No
   return rows, columns
 
 
+def blocks(owner: str, value) -> tuple[int, int] | None:
+  """``None``, or ``value``, a pair of positive ints ``(row blocks, column blocks)``, as a tuple."""
+  if value is None:
+    return None
+  message = (
+    f"{owner}: blocks must be None or a pair of ints (row blocks, column blocks), such as (heads, 1), got {value!r}."
+  )
+  if not isinstance(value, (list, tuple)):
+    raise TypeError(message)
+  out = []
+  for item in value:
+    if isinstance(item, bool):
+      raise TypeError(message)
+    try:
+      out.append(operator.index(item))
+    except TypeError:
+      raise TypeError(message) from None
+  if len(out) != 2 or min(out) < 1:
+    raise ValueError(
+      f"{owner}: blocks must be two positive ints (row blocks, column blocks), such as (heads, 1), got {value!r}."
+    )
+  return out[0], out[1]
+
+
 def resolve(where: str, shape: tuple[int, ...], **named: tuple[int, ...]) -> dict:
   """The named axis groups of a leaf of ``shape``, non-negative and sorted.
 

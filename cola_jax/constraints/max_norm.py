@@ -9,7 +9,9 @@ so ``q_j = (w_j, xi_j)`` moves on the sphere ``S^n`` of radius ``r`` in
 ``R^{n+1}`` and the max-norm bound ``|w_j| <= r`` holds without clipping. For a
 Flax ``Dense`` kernel ``(in, out)`` the unit is the column ``kernel[:, j]``
 (the norm is over every axis but the last); a conv kernel ``(kh, kw, in, out)``
-gets one slack per output filter. ``axis`` chooses other axes (``"all"``: the
+gets one slack per output filter. For an Equinox ``Linear`` weight
+``(out, in)`` it is the row ``weight[j]`` (every axis but the first, told by
+the module that holds the leaf). ``axis`` chooses other axes (``"all"``: the
 whole leaf is one unit, ``|W|_F <= r``). With one weight per unit (``n = 1``)
 this is exactly :class:`~cola_jax.Circle`. The sphere ``|w_j| = r`` itself,
 without a slack, is :class:`~cola_jax.UnitNorm`.
@@ -99,8 +101,8 @@ class MaxNormState(NamedTuple):
   Example:
     >>> import jax.numpy as jnp, cola_jax as cola
     >>> tx = cola.cola_od(0.1, constraints=cola.MaxNorm(1.0))
-    >>> tx.init(jnp.array([[0.6, 0.0], [0.0, 0.5]])).constraint_states  # |column|**2 + slack**2 = 1
-    MaxNormState(slack=Array([[0.8 , 0.8660254]], dtype=float32), radius=Array(1., dtype=float32))
+    >>> tx.init({'kernel': jnp.array([[0.6, 0.0], [0.0, 0.5]])}).constraint_states  # |column|**2 + slack**2 = 1
+    {'kernel': MaxNormState(slack=Array([[0.8 , 0.8660254]], dtype=float32), radius=Array(1., dtype=float32))}
   """
 
   # xi, shaped like the weight with the reduced axes kept as size 1: (1, out)
@@ -179,9 +181,17 @@ class MaxNorm(Constraint):
     radius: the bound ``r > 0`` on the Euclidean norm of each unit's weights.
     axis: the axes of the leaf that the norm is taken over (an int or a tuple,
       negative values count from the end), or ``"all"``: every axis, the whole
-      leaf one unit (``|W|_F <= r`` for a matrix). ``None`` (default): every
-      axis but the last, so a Dense kernel ``(in, out)`` has one unit per
-      column and a conv kernel ``(kh, kw, in, out)`` one per output filter.
+      leaf one unit (``|W|_F <= r`` for a matrix). ``None`` (default): each
+      output unit's incoming weights, read in the layer that holds the leaf:
+      every axis but the last of a Flax kernel (a Dense kernel ``(in, out)``
+      has one unit per column, a conv kernel ``(kh, kw, in, out)`` one per
+      output filter), every axis but the first of an Equinox ``Linear``,
+      ``Conv`` or ``ConvTranspose`` weight ``(out, in, ...)`` (one unit per
+      row). A leaf in no such layer (a bare array, a leaf not named
+      ``kernel``, an embedding table) is read as a Flax kernel, and a matrix
+      among them is named in a warning when the transforms or
+      :func:`~cola_jax.project_params` meet it; the constraint's own methods
+      (:meth:`nearest`) see a leaf alone and read it as a Flax kernel.
       For a 1-d leaf the default reduces nothing (every entry its own unit:
       the circle); pass ``axis=0`` or ``"all"`` to bound the norm of the whole
       vector. A 3-D leaf whose path does not say conv (a Flax

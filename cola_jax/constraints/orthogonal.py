@@ -11,8 +11,12 @@ geometry for ``W / s``, see :class:`Orthogonal`). Internally both are the tall m
 rows and the columns, every other axis is a batch axis, and the leaf holds one
 matrix per batch index, each on its own manifold (a conv kernel
 ``(kh, kw, in, out)`` with ``row_axes=2, column_axes=3`` is ``kh kw``
-orthonormal ``in x out`` matrices). Everything below then applies to each
-matrix, ``jax.vmap``-ed over the stack ``(b, r, s)``.
+orthonormal ``in x out`` matrices). ``blocks=(m, n)`` splits each matrix of
+the view into an ``m x n`` grid of equal blocks, each a matrix of its own (an
+Equinox attention projection ``(heads * head_dim, in)`` with ``blocks=(heads,
+1)`` is ``heads`` matrices ``(head_dim, in)``, each with orthonormal rows, the
+heads not mutually orthogonal). Everything below then applies to each matrix,
+``jax.vmap``-ed over the stack ``(b, r, s)``.
 
 Projection onto the manifold after a step ``Q_bar = Q_n + D`` is the paper's
 quasi-Newton iteration, which keeps ``Q_n`` as the direction of the constraint
@@ -66,7 +70,7 @@ References:
 import dataclasses
 import functools
 import math
-from typing import NamedTuple
+from typing import NamedTuple, TypeGuard
 
 import jax
 import jax.numpy as jnp
@@ -96,11 +100,33 @@ def _view_axes(ndim, row_axes, column_axes):
   return _axes.others(ndim, rows, columns), rows, columns
 
 
-def tall_view(w: jax.Array, row_axes=None, column_axes=None) -> jax.Array:
+def _split(stack: jax.Array, blocks: tuple[int, int]) -> jax.Array:
+  """A stack ``(b, r, c)`` of matrices as the stack of their ``(r / m, c / n)`` blocks, ``blocks = (m, n)``.
+
+  Each matrix's blocks in row-major order, one after another.
+  """
+  b, r, c = stack.shape
+  m, n = blocks
+  return _axes.to_parts(stack.reshape(b, m, r // m, n, c // n), (0, 1, 3), (2, 4))
+
+
+def _join(parts: jax.Array, shape: tuple[int, int, int], blocks: tuple[int, int]) -> jax.Array:
+  """Inverse of :func:`_split` for a stack of ``shape``."""
+  b, r, c = shape
+  m, n = blocks
+  return _axes.from_parts(parts, (b, m, r // m, n, c // n), (0, 1, 3), (2, 4)).reshape(shape)
+
+
+def _is_split(blocks) -> TypeGuard[tuple[int, int]]:
+  return blocks is not None and blocks != (1, 1)
+
+
+def tall_view(w: jax.Array, row_axes=None, column_axes=None, blocks=None) -> jax.Array:
   """The ``(r, s)`` matrix, ``r >= s``, with orthonormal columns on the manifold.
 
-  ``row_axes`` and ``column_axes`` as for :class:`Orthogonal`; with batch axes
-  the result is the stack ``(b, r, s)`` of the leaf's ``b`` matrices.
+  ``row_axes``, ``column_axes`` and ``blocks`` as for :class:`Orthogonal`;
+  with batch axes or blocks the result is the stack ``(b, r, s)`` of the
+  leaf's ``b`` matrices.
 
   Example:
     >>> import jax.numpy as jnp
@@ -109,26 +135,33 @@ def tall_view(w: jax.Array, row_axes=None, column_axes=None) -> jax.Array:
     >>> tall_view(w).shape, bool((from_tall_view(tall_view(w), w) == w).all())
     ((3, 2), True)
   """
-  if row_axes is None:
+  blocks = _axes.blocks("tall_view", blocks)
+  if row_axes is None and not _is_split(blocks):
     matrix = w.reshape(-1, w.shape[-1])
   else:
     batch, rows, columns = _view_axes(w.ndim, row_axes, column_axes)
     sizes = (math.prod(w.shape[a] for a in rows), math.prod(w.shape[a] for a in columns))
     matrix = _axes.to_parts(w, batch, rows + columns).reshape(
-      (math.prod(w.shape[a] for a in batch),) * bool(batch) + sizes
+      (math.prod(w.shape[a] for a in batch),) * (bool(batch) or _is_split(blocks)) + sizes
     )
+    if _is_split(blocks):
+      matrix = _split(matrix, blocks)
   return matrix if matrix.shape[-2] >= matrix.shape[-1] else jnp.swapaxes(matrix, -1, -2)
 
 
-def from_tall_view(q: jax.Array, like: jax.Array, row_axes=None, column_axes=None) -> jax.Array:
+def from_tall_view(q: jax.Array, like: jax.Array, row_axes=None, column_axes=None, blocks=None) -> jax.Array:
   """Inverse of :func:`tall_view` for a leaf shaped like ``like``."""
-  if row_axes is None:
+  blocks = _axes.blocks("from_tall_view", blocks)
+  if row_axes is None and not _is_split(blocks):
     rows = like.size // like.shape[-1]
     matrix = q if rows >= like.shape[-1] else q.T
     return matrix.reshape(like.shape)
   batch, rows, columns = _view_axes(like.ndim, row_axes, column_axes)
-  wide = math.prod(like.shape[a] for a in rows) < math.prod(like.shape[a] for a in columns)
-  matrix = jnp.swapaxes(q, -1, -2) if wide else q
+  r, c = math.prod(like.shape[a] for a in rows), math.prod(like.shape[a] for a in columns)
+  m, n = blocks if _is_split(blocks) else (1, 1)
+  matrix = jnp.swapaxes(q, -1, -2) if r // m < c // n else q
+  if _is_split(blocks):
+    matrix = _join(matrix, (math.prod(like.shape[a] for a in batch), r, c), (m, n))
   return _axes.from_parts(matrix, like.shape, batch, rows + columns)
 
 
@@ -211,7 +244,7 @@ _SOLVERS = {
 @functools.partial(
   jax.tree_util.register_dataclass,
   data_fields=["iterations", "converged"],
-  meta_fields=["row_axes", "column_axes", "scale"],
+  meta_fields=["row_axes", "column_axes", "scale", "blocks"],
 )
 @dataclasses.dataclass(frozen=True)
 class ProjectionInfo:
@@ -219,8 +252,8 @@ class ProjectionInfo:
 
   For a leaf of several matrices (``Orthogonal`` with batch axes) they are
   aggregated: the most iterations any matrix used, and converged only if every
-  matrix converged. ``row_axes`` and ``column_axes`` (static) are the leaf's
-  view, so that the residual can form its matrices, and ``scale`` (static)
+  matrix converged. ``row_axes``, ``column_axes`` and ``blocks`` (static) are
+  the leaf's view, so that the residual can form its matrices, and ``scale`` (static)
   the constraint's ``W^T W = scale^2 I``. After a retraction
   (:func:`~cola_jax.constrained`) they describe it instead: see
   ``Orthogonal``'s ``retraction``.
@@ -243,11 +276,12 @@ class ProjectionInfo:
   row_axes: tuple[int, ...] | None = None
   column_axes: tuple[int, ...] | None = None
   scale: float = 1.0
+  blocks: tuple[int, int] | None = None
 
   def residual(self, param: jax.Array) -> jax.Array:
     """``max |Q^T Q / scale^2 - I|`` over the leaf's matrices, computed in at least float32."""
     dtype = jnp.promote_types(param.dtype, jnp.float32)
-    q = tall_view(param.astype(dtype), self.row_axes, self.column_axes)
+    q = tall_view(param.astype(dtype), self.row_axes, self.column_axes, self.blocks)
     return max_abs(_each(gram_defect, _over(q, self.scale)))
 
 
@@ -380,6 +414,16 @@ class Orthogonal(Constraint):
       orthogonal atoms, unit RMS-to-RMS norm; a Dense kernel ``(in, out)``
       has ``fan_in = in``, ``fan_out = out``) give each leaf its own, as in
       the example below.
+    blocks: ``(m, n)``, two positive ints: each matrix of the view split into
+      an ``m x n`` grid of equal blocks, each block a matrix of its own, on
+      its own manifold (as a batch axis makes them). ``(heads, 1)`` splits the
+      rows: an Equinox attention projection ``(heads * head_dim, in)`` gets
+      per-head orthonormal rows, ``B_h B_h^T = I`` for each head's block
+      ``B_h``, and the heads are not orthogonal to each other (``Orthogonal()``
+      would make all ``heads * head_dim`` rows orthonormal together).
+      ``(1, heads)`` splits the columns, for a Flax ``(in, heads * head_dim)``
+      kernel. The view's rows and columns must split evenly (a ValueError
+      naming the leaf). ``None`` (the default) or ``(1, 1)``: the whole matrix.
 
   A leaf with batch axes steps its matrices independently (the geometry is
   ``jax.vmap``-ed over them; the noise is independent per entry, so per
@@ -406,6 +450,12 @@ class Orthogonal(Constraint):
     >>> by_fans({'kernel': jnp.zeros((512, 128)), 'bias': jnp.zeros(128)})['kernel'].scale
     0.5
     >>> tx = cola.cola_od(0.1, constraints=by_fans)
+
+    Per head, on an ``(heads * head_dim, in)`` weight (Equinox's layout):
+
+    >>> q = cola.Orthogonal(blocks=(2, 1)).nearest(jnp.arange(24.0).reshape(4, 6) % 5)
+    >>> bool(jnp.allclose(q[:2] @ q[:2].T, jnp.eye(2), atol=1e-6)), bool(jnp.allclose(q[:2] @ q[2:].T, 0))
+    (True, False)
   """
 
   tolerance: float = 1e-6
@@ -417,6 +467,7 @@ class Orthogonal(Constraint):
   loop: str = "while"
   retraction: str = "newton_schulz"
   scale: float = 1.0
+  blocks: tuple[int, int] | None = None  # a list is accepted and stored as a tuple
 
   project_noise_with_force = True
 
@@ -433,6 +484,7 @@ class Orthogonal(Constraint):
     object.__setattr__(self, "row_axes", rows)  # lists become tuples: hashable
     object.__setattr__(self, "column_axes", columns)
     object.__setattr__(self, "scale", check_static_positive("Orthogonal", "scale", self.scale))
+    object.__setattr__(self, "blocks", _axes.blocks("Orthogonal", self.blocks))
 
   def validate(self, param, path):
     if param.ndim < 2:
@@ -451,25 +503,37 @@ class Orthogonal(Constraint):
     else:
       spell = lambda rows, columns: f"Orthogonal(row_axes={rows}, column_axes={columns})"
       _axes.warn_if_ambiguous("Orthogonal constraint", param.shape, path, spell)
+    blocks = self.blocks
+    if _is_split(blocks):
+      self._check_blocks(blocks, param.shape, path)
+
+  def _check_blocks(self, blocks: tuple[int, int], shape: tuple[int, ...], path: str) -> None:
+    """Raises ValueError naming the leaf unless ``blocks`` splits the rows and the columns of its view evenly."""
+    _, rows, columns = _view_axes(len(shape), self.row_axes, self.column_axes)
+    r, c = math.prod(shape[a] for a in rows), math.prod(shape[a] for a in columns)
+    for count, size, what in zip(blocks, (r, c), ("rows", "columns")):
+      if size % count:
+        raise ValueError(
+          f"Orthogonal constraint on the leaf at {path}, of shape {shape}: blocks={self.blocks} splits the {size} "
+          f"{what} of its ({r}, {c}) matrix into {count} blocks, and {size} is not a multiple of {count}."
+        )
 
   # The view: the leaf as the tall matrix Q, or a stack of them.
 
   def _tall(self, w):
-    return tall_view(w, self.row_axes, self.column_axes)
+    return tall_view(w, self.row_axes, self.column_axes, self.blocks)
 
   def _untall(self, q, like):
-    return from_tall_view(q, like, self.row_axes, self.column_axes)
+    return from_tall_view(q, like, self.row_axes, self.column_axes, self.blocks)
 
   def _view_and_scale(self):
-    return self.row_axes, self.column_axes, self.scale
+    return self.row_axes, self.column_axes, self.scale, self.blocks
 
   def _aggregate(self, node):
     """A matrix's or a stack's :class:`ProjectionInfo` as the leaf's; other nodes as they are."""
     if not isinstance(node, ProjectionInfo):
       return node
-    return ProjectionInfo(
-      jnp.max(node.iterations), jnp.all(node.converged), self.row_axes, self.column_axes, self.scale
-    )
+    return ProjectionInfo(jnp.max(node.iterations), jnp.all(node.converged), *self._view_and_scale())
 
   # The manifold.
 
@@ -484,6 +548,7 @@ class Orthogonal(Constraint):
       row_axes=self.row_axes,
       column_axes=self.column_axes,
       scale=self.scale,
+      blocks=self.blocks,
     )
 
   def point(self, param, aux):

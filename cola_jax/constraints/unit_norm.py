@@ -1,8 +1,9 @@
 r"""Unit-norm constraint: ``|w_j| = r`` exactly for every unit (Keras ``UnitNorm``).
 
 The incoming weights ``w_j in R^n`` of unit ``j`` (the entries along ``axis``,
-as in :class:`~cola_jax.MaxNorm`: by default every axis but the last, so a Dense
-kernel ``(in, out)`` has one unit per column; ``"all"``: the whole leaf, ``|W|_F = r``)
+as in :class:`~cola_jax.MaxNorm`: by default each output unit's, a column of a
+Flax Dense kernel ``(in, out)``, a row of an Equinox Linear weight
+``(out, in)``; ``"all"``: the whole leaf, ``|W|_F = r``)
 move on the sphere
 
 .. math::
@@ -68,7 +69,7 @@ class UnitNormState:
   Example:
     >>> import jax.numpy as jnp, cola_jax as cola
     >>> tx = cola.cola_od(0.1, constraints=cola.UnitNorm())
-    >>> state = tx.init(jnp.array([[0.6, 0.0], [0.8, 1.0]])).constraint_states
+    >>> state = tx.init({'kernel': jnp.array([[0.6, 0.0], [0.8, 1.0]])}).constraint_states['kernel']
     >>> state
     UnitNormState(radius=Array(1., dtype=float32), axes=(0,))
     >>> float(state.residual(jnp.array([[0.6, 0.0], [0.8, 2.0]])))  # max |norm**2 - 1| over the columns
@@ -96,9 +97,15 @@ class UnitNorm(Constraint):
     axis: the axes of the leaf that the norm is taken over, as in
       :class:`~cola_jax.MaxNorm` (an int or a tuple; negative values count
       from the end), or ``"all"``: every axis, the whole leaf one unit
-      (``|W|_F = r`` for a matrix). ``None`` (default): every axis but the
-      last, so a Dense kernel ``(in, out)`` has one unit per column and a conv
-      kernel ``(kh, kw, in, out)`` one per output filter. Keras'
+      (``|W|_F = r`` for a matrix). ``None`` (default): each output unit's
+      incoming weights, read in the layer that holds the leaf, as for
+      :class:`~cola_jax.MaxNorm`: one unit per column of a Flax Dense kernel
+      ``(in, out)`` and per output filter of a conv kernel
+      ``(kh, kw, in, out)`` (every axis but the last), one per row of an
+      Equinox ``Linear`` weight ``(out, in)`` (every axis but the first; its
+      ``Conv`` and ``ConvTranspose`` weights likewise). A matrix in no such
+      layer (a bare array, a leaf not named ``kernel``, an embedding table)
+      is read as a Flax kernel and named in a warning. Keras'
       ``UnitNorm(axis=0)`` on a Dense kernel is the default here. A 3-D leaf whose path does not say conv (a Flax
       attention kernel, a stack of layers) meets the default with a warning
       naming it and the axes to give (docs/guides/declared_constraints.md,
