@@ -13,10 +13,10 @@ model's code imported it (no Equinox module exists otherwise).
 
 import dataclasses
 import sys
-import warnings
 
 import jax
 
+from cola_jax import _warn
 from cola_jax.constraints._axes import _names
 from cola_jax.constraints.base import Constraint
 from cola_jax.constraints.max_norm import MaxNorm
@@ -78,13 +78,16 @@ def read_in(constraint: Constraint, layer: str | None, shape: tuple[int, ...], p
   if layer != KERNEL and len(shape) == 2 and 0 not in shape:  # a leaf without entries is left free
     name = type(constraint).__name__
     spell = lambda axis: f"{name}({constraint.radius!r}, axis={axis})"
-    where = f"the leaf at {path}" if path else "the parameters (one array)"
-    warnings.warn(
-      f"{name} constraint on {where}, of shape {shape}: a matrix in no layer whose layout is known "
-      f"(a Flax kernel, an Equinox Linear or Conv weight), read as a Flax kernel (in, out): one unit per column. "
-      f"One unit per row (an (out, in) weight, a token's embedding): {spell(-1)}; {spell(0)} keeps this reading "
-      "and silences this.",
-      UserWarning,
-      stacklevel=2,
-    )
+
+    def compose(leaves: str, count: int) -> str:
+      where = "the parameters (one array)" if not path else f"the leaf at {leaves}" if count == 1 else leaves
+      where = where if count == 1 else f"{count} leaves, {where}"
+      return (
+        f"{name} constraint on {where}, of shape {shape}: a matrix in no layer whose layout is known (a Flax "
+        f"kernel, an Equinox Linear or Conv weight), read as a Flax kernel (in, out): one unit per column. One unit "
+        f"per row (an (out, in) weight, a token's embedding): {spell(-1)}; {spell(0)} keeps this reading and "
+        "silences this."
+      )
+
+    _warn.warn_about((name, constraint.radius, shape, "no layer"), path, compose)
   return constraint

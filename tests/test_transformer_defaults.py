@@ -195,6 +195,15 @@ def test_a_matrix_of_no_known_layer_is_read_as_a_flax_kernel_and_named_once():
     cola.project_params({"w": w}, cola.UnitNorm(axis=0))
 
 
+def test_matrices_of_no_known_layer_are_named_in_one_warning():
+  params = {name: jnp.ones((3, 5)) for name in ("a", "b", "c", "d")}
+  with pytest.warns(UserWarning) as caught:
+    cola.cola_od(0.1, constraints=cola.MaxNorm(2.0)).init(params)
+  (message,) = [str(m.message) for m in caught if "no layer whose layout is known" in str(m.message)]
+  assert message.startswith("MaxNorm constraint on 4 leaves, ['a'], ['b'], ['c'] and 1 more, of shape (3, 5): ")
+  assert caught[0].filename == __file__
+
+
 def test_a_declared_flax_kernel_is_a_kernel_through_its_boxes():
   """A kernel boxed twice (``nn.with_partitioning``, ``cola.with_constraint``) has the path
   ``['kernel'].value.raw_value``: still a Flax kernel, read by columns without a word."""

@@ -195,8 +195,9 @@ class MaxNorm(Constraint):
       For a 1-d leaf the default reduces nothing (every entry its own unit:
       the circle); pass ``axis=0`` or ``"all"`` to bound the norm of the whole
       vector. A 3-D leaf whose path does not say conv (a Flax
-      attention kernel, a stack of layers) meets the default with a warning
-      naming it and the axes to give (docs/guides/declared_constraints.md,
+      query, key or value kernel, a stack of layers) meets the default with a warning
+      naming it and the axes to give; an attention output kernel ``(heads, head_dim,
+      features)`` is the layer's matrix as it stands, quietly (docs/guides/declared_constraints.md,
       "Attention").
 
   The slack starts at ``xi_j = +sqrt(r^2 - |w_j|^2)``, except that a unit

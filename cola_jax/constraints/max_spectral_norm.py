@@ -179,8 +179,8 @@ class MaxSpectralNorm(Constraint):
       default): the rows are every axis but the last, the columns the last
       (a Dense kernel ``(in, out)`` is one matrix, a conv kernel
       ``(kh, kw, in, out)`` the ``(kh kw in, out)`` one). A 3-D leaf whose
-      path does not say conv meets the default with a warning naming the
-      axes to give, as for :class:`Orthogonal`.
+      path does not say conv (but an attention output kernel) meets the
+      default with a warning naming the axes to give, as for :class:`Orthogonal`.
     column_axes: the axes that index the columns, as ``row_axes``.
 
   A start beyond the ball, on its boundary or within 1 % of it starts with

@@ -365,8 +365,9 @@ class Orthogonal(Constraint):
       (both, the default): the rows are every axis but the last, the columns
       the last.
       A 3-D leaf whose path does not say conv (a Flax
-      attention kernel, a stack of layers) meets the default with a warning
-      naming it and the axes to give (docs/guides/declared_constraints.md,
+      query, key or value kernel, a stack of layers) meets the default with a warning
+      naming it and the axes to give; an attention output kernel ``(heads, head_dim,
+      features)`` is the layer's matrix as it stands, quietly (docs/guides/declared_constraints.md,
       "Attention").
     column_axes: the axes that index the columns, as ``row_axes``.
     loop: ``"while"`` (the default) stops each loop as soon as its test is

@@ -107,8 +107,9 @@ class UnitNorm(Constraint):
       layer (a bare array, a leaf not named ``kernel``, an embedding table)
       is read as a Flax kernel and named in a warning. Keras'
       ``UnitNorm(axis=0)`` on a Dense kernel is the default here. A 3-D leaf whose path does not say conv (a Flax
-      attention kernel, a stack of layers) meets the default with a warning
-      naming it and the axes to give (docs/guides/declared_constraints.md,
+      query, key or value kernel, a stack of layers) meets the default with a warning
+      naming it and the axes to give; an attention output kernel ``(heads, head_dim,
+      features)`` is the layer's matrix as it stands, quietly (docs/guides/declared_constraints.md,
       "Attention").
 
   A unit needs at least two entries (with one, ``|w| = r`` leaves only
