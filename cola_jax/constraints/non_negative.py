@@ -109,8 +109,9 @@ START = (math.sqrt(1 - START_INSIDE**2) / START_INSIDE / 2) ** 2
 
 
 def _lifted(param):
-  """The weight, ``START`` where it is at or below 0 (NaN stays NaN)."""
-  return jnp.where(param <= 0, jnp.asarray(START, param.dtype), param)
+  """The weight, ``START`` where it is below the smallest normal number: at or below 0, or subnormal, which a
+  compiled program on XLA:CPU reads as 0 (NaN stays NaN)."""
+  return jnp.where(param < jnp.finfo(param.dtype).tiny, jnp.asarray(START, param.dtype), param)
 
 
 class NonNegativeState(NamedTuple):
@@ -195,8 +196,8 @@ def _nearest_abs_slack(m, beta, guess):
 class NonNegative(Constraint):
   """``w >= 0`` entrywise, exactly, as ``w = s^2`` with a slack ``s``.
 
-  No upper bound and no hyperparameter. A weight at or below 0 is lifted to
-  ``START = 0.00508`` by its update: at ``w = 0`` the slack is 0, the
+  No upper bound and no hyperparameter. A weight at or below 0 (or
+  subnormal) is lifted to ``START = 0.00508`` by its update: at ``w = 0`` the slack is 0, the
   parabola's tangent is the slack's direction, no force reaches it, and the
   weight would never leave 0; at ``START`` the tangent makes the angle with
   the slack axis that :class:`~cola_jax.Circle`'s does at its start, 0.99 of
