@@ -127,7 +127,7 @@ BATCHED = {"conv": ((2, 2, 5, 3), 2, 3), "wide": ((3, 5, 2), 0, 1), "square": ((
   "method, projection",
   [
     pytest.param("od", "quasi_newton", marks=pytest.mark.slow),  # quick: one batched run, ud for the momenta
-    ("ud", "square_root"),
+    pytest.param("ud", "square_root", marks=pytest.mark.extended),  # quick: test_batched_noise_is_drawn_per_matrix
     pytest.param("ud", "newton", marks=pytest.mark.slow),
     pytest.param("ud", "quasi_newton", marks=pytest.mark.slow),
     pytest.param("od", "newton", marks=pytest.mark.slow),

@@ -80,6 +80,7 @@ def test_the_fixed_form_has_no_while_loop_in_the_step(loop, has_while):
   assert _has_while(tx.update, params, state, params) == has_while
 
 
+@pytest.mark.extended  # quick: the fixed loops against the while loops, point by point
 def test_o_cola_ud_with_noise_trains_the_same_in_both_forms():
   params = {
     "w": cola.Orthogonal().nearest(jax.random.normal(jax.random.key(0), (12, 12))),

@@ -193,6 +193,7 @@ def test_map_params_reaches_free_state_and_the_momenta(problem):
   assert (mapped.count, mapped.key, mapped.constraint_states) == (None, None, None)
 
 
+@pytest.mark.extended  # quick: inject_hyperparams in test_transforms.py and test_optax_contract.py
 def test_inject_hyperparams_around_the_method_and_inside_free(problem):
   """A method wrapped in inject_hyperparams takes ``free`` as it is; ``free``'s own injected rate can be set."""
   params, loss = problem

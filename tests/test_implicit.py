@@ -286,6 +286,7 @@ def test_rattle_agrees_with_orthogonal():
   np.testing.assert_allclose(p, expected_p, atol=2e-5)
 
 
+@pytest.mark.extended  # quick: test_projection_agrees_with_orthogonal
 def test_off_manifold_start_matches_the_closed_forms():
   r = 0.5
   theta = jnp.linspace(-0.8, 0.7, 7)
@@ -383,7 +384,8 @@ LONG_METHODS = {
 
 
 @pytest.mark.parametrize(
-  "method", [m if m == "od" else pytest.param(m, marks=pytest.mark.slow) for m in sorted(LONG_METHODS)]
+  "method",
+  [pytest.param(m, marks=pytest.mark.extended if m == "od" else pytest.mark.slow) for m in sorted(LONG_METHODS)],
 )
 def test_constraint_holds_after_many_noisy_steps(method, mlp_problem):
   params, loss = mlp_problem
@@ -693,6 +695,7 @@ def test_unreachable_manifold_is_an_error_or_a_flag():
   assert float(cola.constraint_residuals(x, state)) > 1  # reported, not hidden
 
 
+@pytest.mark.extended  # quick: test_transforms.py vmaps over keys
 def test_noise_under_vmap_over_keys_is_each_keys_own_draw_with_no_select_of_two_draws():
   # vmap turns a conditional with a batched predicate into a select that computes both branches. The draw is
   # written to memory by a reduction, not by a conditional: none in the program.

@@ -225,6 +225,7 @@ def test_beta_is_optax_muon_s_and_without_nesterov_a_step_is_on_its_bias_correct
     w = w + updates
 
 
+@pytest.mark.extended  # quick: the steps against the reference rule
 def test_schedule_jit_equals_eager_and_map_params():
   params = {"w": jnp.eye(5, 3)}
   tx = cola.manifold_muon(optax.linear_schedule(0.1, 0.0, 4))

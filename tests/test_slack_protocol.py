@@ -187,6 +187,7 @@ class DefaultResidual(RowBall):
   residual = cola.Constraint.residual
 
 
+@pytest.mark.extended  # check_constraint's other checks stay quick
 def test_check_constraint_says_when_the_residual_is_the_default():
   with pytest.warns(UserWarning, match="keeps the default residual"):
     check_constraint(DefaultResidual(0.5), (4, 3))

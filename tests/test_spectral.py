@@ -85,6 +85,7 @@ def test_a_start_beyond_the_ball_is_the_svd_clip_at_the_start_radius(shape, axes
   assert _sigma_max(near, **axes) <= 0.99 * r * (1 + 1e-5)
 
 
+@pytest.mark.extended  # quick: the ball at every step
 def test_a_point_inside_is_untouched_bit_for_bit():
   c = cola.MaxSpectralNorm(2.0)
   w = jax.random.normal(jax.random.key(1), (6, 3))

@@ -92,6 +92,7 @@ def test_axis_must_be_integers_without_repeats():
 # axis="all": the whole leaf is one unit, |W|_F <= r.
 
 
+@pytest.mark.extended  # quick: test_axis_all_holds_the_frobenius_ball_with_residuals
 def test_axis_all_is_one_unit_the_whole_leaf():
   c = cola.MaxNorm(2.0, axis="all")
   assert c.axis == "all" and c == cola.MaxNorm(2.0, axis="all") and hash(c) == hash(cola.MaxNorm(2.0, axis="all"))

@@ -148,7 +148,11 @@ def _check_leaves(retraction, leaves, eager):
 
 @pytest.mark.parametrize(
   ("retraction", "leaves"),
-  [("newton_schulz", tuple(LEAVES)), ("qr", ("wide", "conv")), ("polar", ("batched",))],
+  [
+    ("newton_schulz", tuple(LEAVES)),
+    pytest.param("qr", ("wide", "conv"), marks=pytest.mark.extended),
+    pytest.param("polar", ("batched",), marks=pytest.mark.extended),
+  ],
 )
 def test_orthogonal_retract_stays_on_the_manifold(retraction, leaves):
   """Tall, square, wide, conv (per tap) and batched leaves through ``Orthogonal.retract`` (every pair, and eager
