@@ -21,20 +21,23 @@ from collections.abc import Callable
 from cola_jax import _warn
 
 
+def _ints(items, message: str) -> list[int]:
+  """``items`` as Python ints (``operator.index``; a bool is no axis), or a TypeError of ``message``."""
+  if any(isinstance(item, bool) for item in items):
+    raise TypeError(message)
+  try:
+    return [operator.index(item) for item in items]
+  except TypeError:
+    raise TypeError(message) from None
+
+
 def normalize(owner: str, name: str, value) -> tuple[int, ...] | None:
   """``None``, or ``value`` (an int or a sequence of ints) as a non-empty tuple without repeats."""
   if value is None:
     return None
   items = tuple(value) if isinstance(value, (list, tuple)) else (value,)
   message = f"{owner}: {name} must be None, an int or a tuple of ints, got {value!r}."
-  out = []
-  for item in items:
-    if isinstance(item, bool):
-      raise TypeError(message)
-    try:
-      out.append(operator.index(item))
-    except TypeError:
-      raise TypeError(message) from None
+  out = _ints(items, message)
   if not out:
     raise ValueError(f"{owner}: {name} must name at least one axis, got {value!r}.")
   if len(set(out)) != len(out):
@@ -65,14 +68,7 @@ def blocks(owner: str, value) -> tuple[int, int] | None:
   )
   if not isinstance(value, (list, tuple)):
     raise TypeError(message)
-  out = []
-  for item in value:
-    if isinstance(item, bool):
-      raise TypeError(message)
-    try:
-      out.append(operator.index(item))
-    except TypeError:
-      raise TypeError(message) from None
+  out = _ints(value, message)
   if len(out) != 2 or min(out) < 1:
     raise ValueError(
       f"{owner}: blocks must be two positive ints (row blocks, column blocks), such as (heads, 1), got {value!r}."
