@@ -214,15 +214,13 @@ class Leaves:
     ]
     return tuple([output[k] for output in outputs] for k in range(n_outputs))
 
-  def updates(self, new_params: list, given: list | None = None):
+  def updates(self, new_params: list, given: list | None = None) -> list:
     """``new - old`` for every leaf, in the parameter's own dtype; ``given``'s update as it is where ``new`` is None."""
     given = given or [None] * len(new_params)
-    return self.unflatten(
-      [
-        update if new is None else (new - old).astype(param.dtype)
-        for new, update, old, param in zip(new_params, given, self.compute, self.params)
-      ]
-    )
+    return [
+      update if new is None else (new - old).astype(param.dtype)
+      for new, update, old, param in zip(new_params, given, self.compute, self.params)
+    ]
 
 
 def initial_auxes(constraints: tuple, compute: list) -> list:
@@ -332,7 +330,20 @@ class Update:
     new constraint states (the others keep theirs).
     """
     updates = self.leaves.updates(new_params, self.free_updates if given is None else given)
-    return updates, self.kept(new_auxes)
+    return self.leaves.unflatten(updates), self.kept(self._reconciled(new_auxes, updates))
+
+  def _reconciled(self, new_auxes: list, updates: list) -> list:
+    """Each stepped leaf's state for the parameter ``optax.apply_updates`` makes of its update (see
+    :meth:`~cola_jax.Constraint.reconcile`); only constraints that override it compute that parameter."""
+    leaves = self.leaves
+    return [
+      c.reconcile(jnp.asarray(p + u).astype(p.dtype).astype(compute.dtype), aux)
+      if s and type(c).reconcile is not Constraint.reconcile
+      else aux
+      for c, aux, p, u, compute, s in zip(
+        leaves.constraints, new_auxes, leaves.params, updates, leaves.compute, self.stepped
+      )
+    ]
 
   def kept(self, new_auxes: list):
     """The constraint states to keep, as a tree: the stepped leaves' new ones, the others' as they were."""

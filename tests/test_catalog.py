@@ -255,6 +255,36 @@ def test_non_negative_rattle_keeps_float32_digits_for_huge_momenta():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+  "tx, start, grad, dtype, steps",
+  [
+    # 2.5e10 stepped to 5.8e7 lands on 0 in bfloat16 (its spacing there is 1.3e8).
+    (cola.cola_ud(1e-4, friction=0.0, constraints=cola.NonNegative(), splitting="BAOAB"), -0.5, 1e19, "bfloat16", 2),
+    # 1e8 stepped to 292 lands on 296 in float32 (spacing 8): 1.3e-2 of the new weight.
+    (cola.cola_od(1.0, constraints=cola.NonNegative()), 1e8, 1e8 - 1.5, "float32", 1),
+  ],
+  ids=["cola_ud-bfloat16", "cola_od-float32"],
+)
+def test_non_negative_slack_agrees_with_the_weight_apply_updates_rounded(tx, start, grad, dtype, steps):
+  """``params + updates`` rounds relative to the old weight: the state's slack is the rounded weight's, on its
+  branch, so the residual reads the slack's rounding, not the step's."""
+  grads = jnp.asarray(grad, dtype)
+
+  @jax.jit
+  def run(params):
+    state = tx.init(params)
+    for _ in range(steps):
+      updates, state = tx.update(grads, state, params)
+      params = optax.apply_updates(params, updates)
+    return params, state
+
+  params, state = run(jnp.asarray(start, dtype))
+  slack = state.constraint_states.slack
+  assert float(params) >= 0
+  np.testing.assert_allclose(float(slack) ** 2, float(params), rtol=1e-6, atol=0)
+  assert float(cola.constraint_residuals(params, state)) <= 1e-6
+
+
 def test_non_negative_rattle_is_second_order():
   """Against the exact free flight (arc length h v), the one-step error falls 8x per halving."""
   s0 = np.linspace(-1.5, 1.5, 13)

@@ -198,6 +198,21 @@ class Constraint(abc.ABC):
     """
     return point, self.init(point)
 
+  def reconcile(self, param: jax.Array, aux: Aux) -> Aux:
+    """The state of the parameter that ``optax.apply_updates`` made of an update's new value.
+
+    ``params + updates`` rounds the new value in the parameter's dtype
+    relative to the old one, so a state of the new value may disagree with
+    the parameter the user holds by the old value's rounding. By default the
+    state is kept: :meth:`point` rebuilds the next point from the parameter,
+    and a bounded leaf's rounding is within its residual's tolerance. Override
+    it where the residual compares the state with the parameter relative to
+    the new value and the leaf is unbounded (:class:`~cola_jax.NonNegative`'s
+    slack, after a weight of 1e10 steps to 1e7 in bfloat16).
+    """
+    del param
+    return aux
+
   def residual(self, param: jax.Array, aux: Aux) -> jax.Array:
     """How far ``param`` (with its state ``aux``) is from the manifold, a scalar.
 

@@ -9,6 +9,10 @@ so the pair moves on the parabola ``w = s^2`` and ``w >= 0`` holds without
 clipping and without an upper bound. Each update computes the new weight as
 ``w = s * s``, which rounding cannot make negative, and neither can
 ``params + updates`` (``new - old >= -old`` rounds to at least ``-old``).
+That sum rounds relative to the old weight, which for an unbounded weight
+may be most of a large step's new one; the slack kept is the rounded
+weight's (:meth:`NonNegative.reconcile`), so the residual reads the slack's
+rounding only.
 
 Why a parabola. It is the lowest-degree slack for a one-sided bound (the
 circle's ``theta^2 + xi^2 = r^2`` bounds both sides), and a polynomial one:
@@ -232,6 +236,16 @@ class NonNegative(Constraint):
   def unpack(self, point, param):
     w, s = point
     return w, NonNegativeState(slack=s)
+
+  def reconcile(self, param, aux):
+    """The slack of the weight as ``params + updates`` rounded it, on the slack's branch.
+
+    The rounding is relative to the old weight: a step from ``2.5e10`` to
+    ``5.8e7`` in bfloat16 lands on 0, and ``w - s^2`` against the new weight
+    would read 5.8e7 while ``w >= 0`` holds.
+    """
+    s = aux.slack
+    return NonNegativeState(slack=jnp.where(param == s * s, s, jnp.copysign(jnp.sqrt(param), s)))
 
   def residual(self, param, aux):
     """:meth:`NonNegativeState.residual`."""
