@@ -152,8 +152,8 @@ def _inverse_length(s):
 def _cube_root_above(c):
   """A number ``>= cbrt(c)`` (to rounding) and within 0.2% of it, for ``c >= 0``.
 
-  ``jnp.cbrt`` is a scalar library call on XLA's CPU backend (about 50 times
-  the cost of a square root). Here: the exponent divided by 3 in the bits,
+  ``jnp.cbrt`` is a scalar library call on XLA's CPU backend, not vectorised
+  as a square root is. Here: the exponent divided by 3 in the bits,
   then one Newton step ``(2 y + c / y^2) / 3``, which is ``>= cbrt(c)`` for any
   ``y > 0`` (the arithmetic-geometric mean inequality).
   """
