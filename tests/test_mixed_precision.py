@@ -33,6 +33,7 @@ SLACK_ENTRIES = {
   "unit_norm_all": (0, False),
   "orthogonal": (0, False),
   "orthogonal_scaled_wide": (0, False),
+  "orthogonal_per_head": (0, False),
   "orthogonal_newton": (0, False),
   "orthogonal_square_root": (0, False),
   "max_spectral_norm": (OUT * OUT, True),  # S of the stacked [W; S], whose momentum is the stack's
