@@ -261,7 +261,9 @@ def test_non_negative_rattle_keeps_float32_digits_for_huge_momenta():
     # 2.5e10 stepped to 5.8e7 lands on 0 in bfloat16 (its spacing there is 1.3e8).
     (cola.cola_ud(1e-4, friction=0.0, constraints=cola.NonNegative(), splitting="BAOAB"), -0.5, 1e19, "bfloat16", 2),
     # 1e8 stepped to 292 lands on 296 in float32 (spacing 8): 1.3e-2 of the new weight.
-    (cola.cola_od(1.0, constraints=cola.NonNegative()), 1e8, 1e8 - 1.5, "float32", 1),
+    pytest.param(
+      cola.cola_od(1.0, constraints=cola.NonNegative()), 1e8, 1e8 - 1.5, "float32", 1, marks=pytest.mark.extended
+    ),
   ],
   ids=["cola_ud-bfloat16", "cola_od-float32"],
 )
