@@ -209,6 +209,13 @@ class Constraint(abc.ABC):
     it where the residual compares the state with the parameter relative to
     the new value and the leaf is unbounded (:class:`~cola_jax.NonNegative`'s
     slack, after a weight of 1e10 steps to 1e7 in bfloat16).
+
+    Example:
+      >>> import jax.numpy as jnp, cola_jax as cola
+      >>> c = cola.NonNegative()
+      >>> aux = c.init(jnp.array([4.0, 4.0]))  # slacks 2, 2
+      >>> c.reconcile(jnp.array([4.0, 0.0]), aux).slack  # the second weight was rounded to 0
+      Array([2., 0.], dtype=float32)
     """
     del param
     return aux
