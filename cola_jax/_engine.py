@@ -337,7 +337,7 @@ class Update:
     :meth:`~cola_jax.Constraint.reconcile`); only constraints that override it compute that parameter."""
     leaves = self.leaves
     return [
-      c.reconcile(optax.apply_updates(p, u).astype(compute.dtype), aux)
+      c.reconcile(jnp.asarray(optax.apply_updates(p, u)).astype(compute.dtype), aux)
       if s and type(c).reconcile is not Constraint.reconcile
       else aux
       for c, aux, p, u, compute, s in zip(
