@@ -85,15 +85,16 @@ def restore(path, like):
   return restored
 
 
-# Quick: free= and the chain, the states with the most parts; test_restored_state_keeps_every_part restores
-# cola_ud's ProjectionInfo and momenta, and the key-data recipe resumes c_cola_ud. The plain presets under slow.
-@pytest.mark.parametrize(
-  "name",
-  [
-    pytest.param(name, marks=pytest.mark.slow if name in ("c_cola_ud", "o_cola_ud") else ())
-    for name in sorted(TRANSFORMS)
-  ],
-)
+# Quick: the chain, nested states; test_restored_state_keeps_every_part restores cola_ud's ProjectionInfo and
+# momenta. Extended: free=, and the key-data recipe resumes c_cola_ud. The plain presets under slow.
+RESUMED_MARKS = {
+  "c_cola_ud": pytest.mark.slow,
+  "o_cola_ud": pytest.mark.slow,
+  "c_cola_ud_free_adam": pytest.mark.extended,
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=RESUMED_MARKS.get(name, ())) for name in sorted(TRANSFORMS)])
 def test_stopped_and_resumed_run_equals_the_uninterrupted_run(name, mlp_problem, tmp_path):
   params, loss = mlp_problem
   tx = TRANSFORMS[name]()
@@ -145,6 +146,7 @@ def test_restored_state_keeps_every_part(mlp_problem, tmp_path):
   assert float(jnp.max(jnp.abs(restored.momentum["layer2"]["w"]))) > 0
 
 
+@pytest.mark.extended  # quick: typed keys through orbax in test_stopped_and_resumed_run_equals_the_uninterrupted_run
 def test_key_data_recipe_for_checkpointers_without_typed_keys(mlp_problem, tmp_path):
   params, loss = mlp_problem
   tx = TRANSFORMS["c_cola_ud"]()

@@ -85,6 +85,7 @@ def test_riemannian_adam_reaches_the_known_optimum_where_the_naive_chain_stalls(
 CATALOG = {name: c for name, c, _ in CASES} | {"free": None}
 
 
+@pytest.mark.extended  # quick: the next test steps the catalog under constrained; adam holds Orthogonal above
 @pytest.mark.parametrize(
   "inner",
   [
@@ -311,7 +312,8 @@ class _ZeroSum(cola.Constraint):
     return point + h * momentum, momentum
 
 
-@pytest.mark.parametrize("retraction", ["polar", "projection"])
+# Quick: the projection (test_sgd_is_o_cola_od compares the polar retraction with it).
+@pytest.mark.parametrize("retraction", [pytest.param("polar", marks=pytest.mark.extended), "projection"])
 def test_a_constraint_written_outside_the_library_works_with_constrained(retraction):
   """constrained reaches a new constraint only through the interface: nothing in it names a constraint."""
   target = jnp.arange(6.0).reshape(2, 3)

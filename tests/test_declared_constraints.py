@@ -161,6 +161,7 @@ def test_linen_train_state_with_declared_constraints_is_the_explicit_run(linen_r
   assert float(jnp.max(moved)) > 1e-3
 
 
+@pytest.mark.extended  # quick: the nnx state's round trip below; test_checkpoint.py resumes a run through orbax
 def test_orbax_round_trip_of_a_linen_train_state_keeps_the_constraints(linen_runs, tmp_path):
   x, _ = data()
   state, step = linen_runs["trained"], linen_runs["step"]

@@ -28,6 +28,7 @@ def test_per_unit_constraints_read_an_equinox_weight_by_rows():
   assert not np.allclose(jnp.linalg.norm(columns, axis=1), 1.0)
 
 
+@pytest.mark.extended  # quick: the next test updates an Equinox MLP; path rules in test_declared_constraints.py
 def test_mlp_trains_on_the_manifolds_chosen_by_equinox_paths():
   model = eqx.nn.MLP(4, 2, 8, 2, activation=jnp.tanh, key=jax.random.key(1))
   params, static = eqx.partition(model, eqx.is_array)

@@ -90,6 +90,7 @@ def linen_setup(constraints=LINEN_CONSTRAINTS):
   return state, loss_fn
 
 
+@pytest.mark.extended  # quick: test_nnx_optimizer_trains_on_the_manifold checks that project_params took effect
 def test_project_params_starts_the_linen_model_on_the_manifold():
   state, _ = linen_setup()
   assert tall_gram_defect(state.params["conv"]["kernel"]) < 1e-5
@@ -97,7 +98,7 @@ def test_project_params_starts_the_linen_model_on_the_manifold():
   assert_on_manifold(state.params, state.opt_state)
 
 
-@pytest.mark.parametrize("spec", ["prefix", "callable"])
+@pytest.mark.parametrize("spec", ["prefix", pytest.param("callable", marks=pytest.mark.extended)])  # quick: prefix
 def test_linen_train_state_trains_on_the_manifold(spec):
   def by_layer_name(params):  # the same assignment, derived from the parameter names
     return {
@@ -205,7 +206,11 @@ def nnx_residuals_ok(model, optimizer):
   assert float(jnp.max(jnp.abs(params["dense"]["kernel"]))) > 0.99 * RADIUS  # the bound is active
 
 
-@pytest.mark.parametrize("constraints", [NNX_CONSTRAINTS, nnx_constraints_by_path], ids=["state_prefix", "callable"])
+@pytest.mark.parametrize(
+  "constraints",
+  [NNX_CONSTRAINTS, pytest.param(nnx_constraints_by_path, marks=pytest.mark.extended)],  # quick: the State prefix
+  ids=["state_prefix", "callable"],
+)
 def test_nnx_optimizer_trains_on_the_manifold(constraints):
   model, optimizer, loss_fn = nnx_setup(constraints)
   assert tall_gram_defect(model.conv.kernel[...]) < 1e-5  # project_params took effect
@@ -224,6 +229,7 @@ def test_nnx_optimizer_trains_on_the_manifold(constraints):
   nnx_residuals_ok(model, optimizer)
 
 
+@pytest.mark.extended  # quick: test_linen_apply_gradients_is_update_then_apply_updates
 def test_nnx_optimizer_update_is_update_then_apply_updates():
   model, optimizer, loss_fn = nnx_setup()
 

@@ -113,6 +113,7 @@ def test_free_leaves_move_exactly_as_optax_partition_moves_them(name, temperatur
   assert max(float(r) for r in jax.tree.leaves(_weights(residuals))) < 1e-5
 
 
+@pytest.mark.extended  # quick: test_free_leaves_move_exactly_as_optax_partition_moves_them compares the weights too
 @pytest.mark.parametrize(
   "name, temperature",
   quick_or_extended(

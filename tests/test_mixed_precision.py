@@ -43,9 +43,15 @@ SLACK_ENTRIES = {
   "implicit_per_unit": (0, True),
 }
 # Every case of the registry whose constraint takes a matrix (the per-matrix views need a stack of them); the quick
-# suite keeps these seven, the slow tier the others (MaxSpectralNorm among them).
+# suite keeps three kinds of state (a slack per weight, ProjectionInfo, the Implicit flat momentum), the extended
+# tier these seven, the slow tier the others (MaxSpectralNorm among them).
 QUICK = {"circle", "box", "non_negative", "max_norm", "implicit", "unit_norm", "orthogonal"}
-MATRIX_CASES = [p for p in params(names=True, quick=QUICK) if len(p.values[2]) <= 2]
+FEW = {"circle", "orthogonal", "implicit"}
+MATRIX_CASES = [
+  p if p.marks or p.values[0] in FEW else pytest.param(*p.values, id=p.id, marks=pytest.mark.extended)
+  for p in params(names=True, quick=QUICK)
+  if len(p.values[2]) <= 2
+]
 
 
 def bf16_params():

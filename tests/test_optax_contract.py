@@ -36,9 +36,9 @@ nothing is constrained), Rosenbrock inside a circle or a box that contains
 (1, 1), and the Rayleigh quotient ``tr(W^T A W)`` on the Stiefel manifold
 (minimised by the smallest eigenvectors of ``A``, from ``numpy.linalg.eigh``).
 
-The quick suite keeps one constraint per transform (every constraint
-appears); ``pytest -m slow`` runs every transform with every constraint, every
-dtype.
+The quick suite keeps a case or two of each test; ``-m extended`` one
+constraint per transform (every constraint appears); ``pytest -m slow`` every
+transform with every constraint, every dtype.
 """
 
 from typing import Any, NamedTuple
@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _cases import quick_or_slow
+from _cases import quick_or_extended
 from _constraints import CASES, VARIANTS, takes
 
 import cola_jax as cola
@@ -141,7 +141,7 @@ ADAPTIVE = ("adam", "adamw", "muon")
 PRESETS = {"c_cola_od": "circle", "c_cola_ud": "circle", "o_cola_od": "orthogonal", "o_cola_ud": "orthogonal"}
 TRANSFORMS = GENERAL + tuple(PRESETS)
 COMBOS = [(name, c) for name in GENERAL for c in CATALOG] + list(PRESETS.items())
-# One constraint per transform, every constraint once or more: the quick suite's representatives.
+# One constraint per transform, every constraint once or more: the representatives (extended; a few quick).
 REPRESENTATIVE = {
   "cola_od": "orthogonal",
   "cola_ud": "circle",
@@ -155,9 +155,10 @@ REPRESENTATIVE = {
   "o_cola_od": "orthogonal",
   "o_cola_ud": "orthogonal",
 }
-QUICK = set(REPRESENTATIVE.items()) | {("cola_ud", "max_spectral_norm"), ("adam", "orthogonal_scaled")}
-# The wrappers' tests: a cola transform and an optax optimizer under constrained(); the other pairs are slow.
+REPRESENTATIVES = set(REPRESENTATIVE.items()) | {("cola_ud", "max_spectral_norm"), ("adam", "orthogonal_scaled")}
+# The wrappers' tests: a cola transform and an optax optimizer under constrained() (extended); the other pairs slow.
 FEW = {("cola_ud", "circle"), ("adam", "max_norm")}
+QUICK = {("cola_ud", "circle")}  # the quick suite's case of the convergence and wrappers' tests
 
 
 def _ids(*case):
@@ -284,7 +285,7 @@ def minimise(tx, loss, params, steps: int):
 # 1-3. Convergence (test_optimization), no recompilation, extra arguments.
 
 
-@pytest.mark.parametrize("name, cname", quick_or_slow(COMBOS, QUICK, ids=_ids))
+@pytest.mark.parametrize("name, cname", quick_or_extended(COMBOS, QUICK, ids=_ids, extended=REPRESENTATIVES))
 def test_converges_to_the_nearest_point_of_the_constraint_set(name, cname):
   """alias_test test_optimization (and contrib's test_optimizers on matrix targets), per catalog constraint."""
   problem = CATALOG[cname]
@@ -299,7 +300,9 @@ ROSENBROCK_SETS = {"none": None, "circle": cola.Circle(RADIUS), "box": cola.Box(
 ROSENBROCK = [(n, c) for n in GENERAL for c in ROSENBROCK_SETS] + [("c_cola_od", "circle"), ("c_cola_ud", "circle")]
 
 
-@pytest.mark.parametrize("name, cname", quick_or_slow(ROSENBROCK, {("cola_ud", "circle"), ("adamw", "box")}, ids=_ids))
+@pytest.mark.parametrize(
+  "name, cname", quick_or_extended(ROSENBROCK, QUICK, ids=_ids, extended={("cola_ud", "circle"), ("adamw", "box")})
+)
 def test_converges_on_rosenbrock_from_the_origin(name, cname):
   """alias_test test_optimization's Rosenbrock (a = 1, b = 100) from (0, 0), in a set that contains (1, 1)."""
   rosenbrock = lambda x: (1 - x[0]) ** 2 + 100 * (x[1] - x[0] ** 2) ** 2
@@ -310,7 +313,10 @@ def test_converges_on_rosenbrock_from_the_origin(name, cname):
 
 
 @pytest.mark.parametrize(
-  "name", quick_or_slow([(n,) for n in (*GENERAL, "o_cola_od", "o_cola_ud")], {("cola_od",), ("o_cola_ud",), ("muon",)})
+  "name",
+  quick_or_extended(
+    [(n,) for n in (*GENERAL, "o_cola_od", "o_cola_ud")], {("o_cola_ud",)}, extended={("cola_od",), ("muon",)}
+  ),
 )
 def test_rayleigh_quotient_on_the_stiefel_manifold_finds_the_smallest_eigenvectors(name):
   """min tr(W^T A W) over W^T W = I: the span of the two smallest eigenvectors (test_optimization's convergence)."""
@@ -341,8 +347,11 @@ ZERO_COMBOS = [(n, c) for n in GENERAL for c in ZERO_STARTS] + [("c_cola_od", "c
 
 @pytest.mark.parametrize(
   "name, cname",
-  quick_or_slow(
-    ZERO_COMBOS, {("cola_od", "unit_norm_vector"), ("adam", "unit_norm"), ("cola_ud", "implicit")}, ids=_ids
+  quick_or_extended(
+    ZERO_COMBOS,
+    {("cola_od", "unit_norm_vector")},
+    ids=_ids,
+    extended={("adam", "unit_norm"), ("cola_ud", "implicit")},
   ),
 )
 def test_converges_from_zeros(name, cname):
@@ -376,6 +385,7 @@ def test_every_transform_is_extra_args_aware():
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 DTYPE_COMBOS = [(n, c, d) for n, c in COMBOS for d in DTYPES]
+# Extended; cola_ud on the circle in float32 and bfloat16 quick.
 QUICK_DTYPES = {("cola_ud", "circle", d) for d in DTYPES} | {
   ("adam", "orthogonal", "bfloat16"),
   ("c_cola_od", "circle", "float16"),
@@ -405,7 +415,12 @@ def _expected_state_dtype(path, dtype, x_constrained: bool):
   return jnp.dtype(dtype) if "free" in keys else None
 
 
-@pytest.mark.parametrize("name, cname, dtype", quick_or_slow(DTYPE_COMBOS, QUICK_DTYPES, ids=_ids))
+@pytest.mark.parametrize(
+  "name, cname, dtype",
+  quick_or_extended(
+    DTYPE_COMBOS, {("cola_ud", "circle", "float32"), ("cola_ud", "circle", "bfloat16")}, ids=_ids, extended=QUICK_DTYPES
+  ),
+)
 def test_updates_come_in_the_parameter_dtype_and_the_state_keeps_its_dtypes(name, cname, dtype):
   """alias_test test_preserve_dtype and test_state_shape_dtype_shard_stability, and the step compiles once."""
   with jax.enable_x64(dtype == "float64"):
@@ -437,8 +452,14 @@ def test_updates_come_in_the_parameter_dtype_and_the_state_keeps_its_dtypes(name
     assert max_residual(params, state) <= {"float16": 1e-3, "bfloat16": 1e-2}.get(dtype.name, 1e-5)
 
 
-@pytest.mark.parametrize("params_dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("state_dtype", [None, "bfloat16", "float32"])
+@pytest.mark.parametrize(
+  "state_dtype, params_dtype",
+  quick_or_extended(
+    [(s, p) for p in ("bfloat16", "float32") for s in (None, "bfloat16", "float32")],
+    {(None, "bfloat16"), ("bfloat16", "float32")},  # the default, and a state below the parameters
+    ids=_ids,
+  ),
+)
 def test_explicit_state_dtype(params_dtype, state_dtype):
   """alias_test test_explicit_dtype: cola_ud's accumulator_dtype, and constrained's inner accumulator/mu dtype."""
   params, spec, _ = tree_problem("orthogonal", params_dtype)
@@ -530,8 +551,10 @@ def _two_steps(tx):
   return jax.jit(lambda state, params: jax.lax.fori_loop(0, 2, step, (params, state)))
 
 
-# The presets are cola_od and cola_ud with fixed constraints: the quick suite injects into those two.
-@pytest.mark.parametrize("factory", quick_or_slow([(name,) for name in INJECTED], {("cola_od",), ("cola_ud",)}))
+# The presets are cola_od and cola_ud with fixed constraints: the quick suite injects into cola_od, extended cola_ud.
+@pytest.mark.parametrize(
+  "factory", quick_or_extended([(name,) for name in INJECTED], {("cola_od",)}, extended={("cola_ud",)})
+)
 def test_inject_hyperparams_injects_every_numeric_hyperparameter(factory):
   """test_optimizers_can_be_wrapped_in_inject_hyperparams, and tree_utils' test_tree_get/test_tree_set.
 
@@ -625,7 +648,7 @@ def test_hyperparameters_that_cannot_be_injected_as_given():
 # 6. MultiSteps.
 
 
-@pytest.mark.parametrize("name, cname", quick_or_slow(COMBOS, FEW, ids=_ids))
+@pytest.mark.parametrize("name, cname", quick_or_extended(COMBOS, QUICK, ids=_ids, extended=FEW))
 def test_multisteps_applies_the_mean_gradient_every_k_steps(name, cname):
   """_accumulation_test test_multi_steps and test_multi_steps_computes_mean."""
   params, spec, _ = tree_problem(cname)
@@ -662,8 +685,11 @@ def test_multisteps_applies_the_mean_gradient_every_k_steps(name, cname):
 
 @pytest.mark.parametrize(
   "name, dtype",
-  quick_or_slow(
-    [(n, d) for n in TRANSFORMS for d in ("bfloat16", "float32")], {("cola_ud", "bfloat16"), ("muon", "bfloat16")}, _ids
+  quick_or_extended(
+    [(n, d) for n in TRANSFORMS for d in ("bfloat16", "float32")],
+    {("cola_ud", "bfloat16")},
+    _ids,
+    extended={("muon", "bfloat16")},
   ),
 )
 def test_gradient_accumulation_mini_step_is_zero_in_the_gradient_dtype(name, dtype):
@@ -679,7 +705,7 @@ def test_gradient_accumulation_mini_step_is_zero_in_the_gradient_dtype(name, dty
 # 7. masked and partition.
 
 
-@pytest.mark.parametrize("name, cname", quick_or_slow(COMBOS, FEW, ids=_ids))
+@pytest.mark.parametrize("name, cname", quick_or_extended(COMBOS, QUICK, ids=_ids, extended=FEW))
 def test_masked_and_partition_give_cola_its_leaves_and_another_optimizer_the_rest(name, cname):
   """_masking_test test_masked / test_masked_state_structure, _combining_test test_partition.
 
@@ -728,7 +754,7 @@ def _is_cola_state(x) -> bool:
 # 8. apply_if_finite.
 
 
-@pytest.mark.parametrize("name, cname", quick_or_slow(COMBOS, FEW, ids=_ids))
+@pytest.mark.parametrize("name, cname", quick_or_extended(COMBOS, QUICK, ids=_ids, extended=FEW))
 def test_apply_if_finite_skips_a_nan_gradient(name, cname):
   """_conditionality_test test_apply_if_finite: a NaN step moves nothing and leaves the inner state as it was."""
   params, spec, loss = tree_problem(cname)
@@ -769,7 +795,7 @@ _SCHEDULED = {
 
 
 @pytest.mark.parametrize(
-  "name", quick_or_slow([(n,) for n in _SCHEDULED], {("cola_od",), ("cola_ud",), ("o_cola_ud",)})
+  "name", quick_or_extended([(n,) for n in _SCHEDULED], {("cola_ud",)}, extended={("cola_od",), ("o_cola_ud",)})
 )
 def test_tree_get_reads_the_count_and_tree_set_moves_the_schedule(name):
   """tree_utils test_tree_get / test_tree_set on cola's own states: the count drives a learning-rate schedule."""
@@ -815,6 +841,7 @@ EDGE_COMBOS = [(n, c) for n in GENERAL for c in SCALAR_SETS] + [
   ("o_cola_od", "none"),
   ("o_cola_ud", "none"),
 ]
+# Extended; cola_od on the circle quick.
 QUICK_EDGES = {
   ("cola_od", "circle"),
   ("cola_ud", "implicit_inequality"),
@@ -823,8 +850,14 @@ QUICK_EDGES = {
 }
 
 
-@pytest.mark.parametrize("container", [dict, tuple, list])
-@pytest.mark.parametrize("name", TRANSFORMS)
+@pytest.mark.parametrize(
+  "name, container",
+  quick_or_extended(  # every transform on a dict, cola_od on every container; the rest extended
+    [(n, c) for c in (dict, tuple, list) for n in TRANSFORMS],
+    {(n, dict) for n in TRANSFORMS} | {("cola_od", tuple), ("cola_od", list)},
+    ids=lambda n, c: f"{n}-{c.__name__}",
+  ),
+)
 def test_empty_params(name, container):
   """_masking_test / _combining_test test_empty: no leaves, no work, an empty update (eagerly and jitted)."""
   tx = make(name, container())
@@ -835,7 +868,9 @@ def test_empty_params(name, container):
   assert updates == container()
 
 
-@pytest.mark.parametrize("name, cname", quick_or_slow(EDGE_COMBOS, QUICK_EDGES, ids=_ids))
+@pytest.mark.parametrize(
+  "name, cname", quick_or_extended(EDGE_COMBOS, {("cola_od", "circle")}, ids=_ids, extended=QUICK_EDGES)
+)
 def test_scalar_float_and_none_leaves(name, cname):
   """0-d arrays (_accumulation_test's ``{'a': jnp.zeros([])}``), Python floats (_masking_test's params), None.
 
@@ -887,8 +922,14 @@ def _spec_forms(cname: str, form: str):
   return params, spec, specs
 
 
-@pytest.mark.parametrize("form", ["dict", "tuple", "callable"])
-@pytest.mark.parametrize("name", TRANSFORMS)
+@pytest.mark.parametrize(
+  "name, form",
+  quick_or_extended(  # every transform on a dict, cola_ud and adam in every form; the rest extended
+    [(n, f) for f in ("dict", "tuple", "callable") for n in TRANSFORMS],
+    {(n, "dict") for n in TRANSFORMS} | {(n, f) for n in ("cola_ud", "adam") for f in ("tuple", "callable")},
+    ids=_ids,
+  ),
+)
 def test_map_params_maps_the_parameter_shaped_fields(name, form):
   """_state_utils_test test_adam / test_map_non_params_to_none, and test_optimization's no-op map.
 
@@ -967,7 +1008,12 @@ def test_unit_norm_started_at_zero_is_the_same_under_jit():
 
 
 @pytest.mark.parametrize(
-  "constraint", [cola.NonNegative(), cola.Implicit(inequality=jnp.negative)], ids=["NonNegative", "Implicit"]
+  "constraint",
+  [
+    cola.NonNegative(),
+    pytest.param(cola.Implicit(inequality=jnp.negative), marks=pytest.mark.extended),  # quick: NonNegative
+  ],
+  ids=["NonNegative", "Implicit"],
 )
 def test_constrained_sgd_reaches_a_lower_bound_however_large_its_step(constraint):
   """test_optimization for ``constrained(optax.sgd(lr))`` on ``(x + 3)^2``, ``x >= 0``, from ``x = 1``.

@@ -161,6 +161,7 @@ def test_multisteps_accumulates_k_gradients_into_one_cola_step(mlp_problem):
 # apply_if_finite.
 
 
+@pytest.mark.extended  # quick: test_optax_contract.py's apply_if_finite test, on cola_ud
 def test_apply_if_finite_skips_a_nan_step_and_loses_nothing(mlp_problem):
   params, loss = mlp_problem
   tx = optax.apply_if_finite(mixed_ud(), max_consecutive_errors=2)

@@ -6,6 +6,7 @@ tests/test_platform.py's; what the grouping buys, tests/test_canaries.py's."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import cola_jax as cola
 from cola_jax import langevin
@@ -21,6 +22,7 @@ def free_noise(n_leaves: int, shape=(64, 32)) -> list[np.ndarray]:
   return [np.asarray(updates[f"w{i}"]) / np.sqrt(2 * tau * h) for i in range(n_leaves)]
 
 
+@pytest.mark.extended  # quick: test_transforms.py::test_noise_is_independent_across_leaves
 def test_members_get_independent_standard_normal_noise():
   noise = free_noise(5)
   n = noise[0].size

@@ -144,6 +144,7 @@ def test_per_unit_defaults_take_the_rows_of_an_equinox_weight_and_the_columns_of
   assert not np.allclose(jnp.linalg.norm(rows, axis=0), 1.0)
 
 
+@pytest.mark.extended  # quick: test_per_unit_defaults_take_..., a Flax kernel's columns
 @pytest.mark.parametrize(
   ("default", "explicit"),
   [
@@ -178,6 +179,7 @@ def test_an_equinox_conv_weight_has_one_unit_per_output_filter_and_jit_agrees():
   assert state.constraint_states.weight.axes == (1, 2, 3)
 
 
+@pytest.mark.extended  # quick: the next test's warning; test_equinox.py warns for a bare (3, 5) weight
 def test_a_matrix_of_no_known_layer_is_read_as_a_flax_kernel_and_named_once():
   w = jax.random.normal(jax.random.key(3), (3, 5))
   tx = cola.cola_od(0.1, constraints=cola.UnitNorm())
@@ -287,6 +289,7 @@ def _train(tx, params, split, steps=5):
   return run(params)
 
 
+@pytest.mark.extended  # quick: test_blocks_make_each_head_orthonormal_and_not_the_heads_to_each_other
 @pytest.mark.parametrize(
   "make",
   [

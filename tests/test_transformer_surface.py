@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from _cases import quick_or_slow
+from _cases import quick_or_extended
 from _clients import equinox_gpt, nnx_gpt
 
 import cola_jax as cola
@@ -65,7 +65,8 @@ ENTRIES = {  # each entry as a user sets it up, and its misuses on a client: the
     {"nnx": [f"MaxNorm {QKV}"], "equinox": []},
   ),
 }
-QUICK = {("nnx", "o_cola_od"), ("equinox", "c_cola_od")}  # a default and a 3-D kernel; an Equinox model
+# A default and a 3-D kernel; an Equinox model: traced, not updated eagerly (the first quick, the second extended).
+QUICK = {("nnx", "o_cola_od"), ("equinox", "c_cola_od")}
 
 
 def _said(run) -> list:
@@ -77,7 +78,10 @@ def _said(run) -> list:
 
 
 @pytest.mark.parametrize(
-  ("client", "entry"), quick_or_slow([(c, e) for e in ENTRIES for c in CLIENTS], QUICK, ids=lambda c, e: f"{c}-{e}")
+  ("client", "entry"),
+  quick_or_extended(
+    [(c, e) for e in ENTRIES for c in CLIENTS], {("nnx", "o_cola_od")}, ids=lambda c, e: f"{c}-{e}", extended=QUICK
+  ),
 )
 def test_each_misuse_warns_once_over_init_a_jit_trace_and_an_eager_update_from_the_callers_line(client, entry):
   """The quick cases leave out the eager update, whose first call compiles every operation of the step (10 s and
@@ -116,7 +120,7 @@ def test_a_default_under_inject_hyperparams_warns_once():
   assert "cola.Circle(0.1)" in str(caught[0].message)  # the radius as written, not the array optax made of it
 
 
-@pytest.mark.parametrize("client", CLIENTS)
+@pytest.mark.parametrize("client", ["nnx", pytest.param("equinox", marks=pytest.mark.extended)])  # quick: nnx
 def test_on_24_blocks_each_warning_names_a_few_leaves_counts_the_rest_and_stays_short(client):
   params = CLIENTS[client](24)
   caught = _said(lambda: jax.eval_shape(cola.o_cola_od(0.1).init, params))

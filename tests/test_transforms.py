@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _cases import quick_or_slow
+from _cases import quick_or_extended
 
 import cola_jax as cola
 
@@ -39,6 +39,7 @@ def assert_trees_close(a, b, rtol, atol):
 # Equivalences with optax at temperature 0 (docs/errata.md, item 4).
 
 
+@pytest.mark.extended  # quick: test_schedules_are_read_before_the_count_increments runs cola_od against optax.sgd
 def test_overdamped_without_constraints_is_sgd(mlp_problem):
   params, loss = mlp_problem
   ours, _ = run(cola.cola_od(0.05), params, loss, 100)
@@ -46,6 +47,7 @@ def test_overdamped_without_constraints_is_sgd(mlp_problem):
   assert_trees_close(ours, reference, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.extended  # quick: test_mapped_hyperparameters_reproduce_sgd_momentum, the same equivalence
 def test_underdamped_without_constraints_is_sgd_momentum(mlp_problem):
   params, loss = mlp_problem
   h, gamma = 0.3, 1.0
@@ -82,7 +84,7 @@ def test_mapped_hyperparameters_reproduce_sgd_momentum(mlp_problem):
   assert_trees_close(ours, reference, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("momentum", [pytest.param(0.0, marks=pytest.mark.extended), 0.9])  # quick: momentum 0.9
 def test_momentum_takes_optax_sgds_settings(mlp_problem, momentum):
   """``momentum=`` reads learning_rate and momentum as optax.sgd does: the newcomer's spelling is SGD-m."""
   params, loss = mlp_problem
@@ -136,6 +138,7 @@ def test_same_key_is_bit_identical_and_other_keys_differ(name, mlp_problem):
   assert min(differences) > 0
 
 
+@pytest.mark.extended  # quick: test_platform_noise.py draws from a raw PRNGKey; typed keys in every other test
 def test_raw_uint32_keys_work(mlp_problem):
   params, loss = mlp_problem
   a, _ = run(NOISY["c_cola_ud"](jax.random.PRNGKey(3)), params, loss, 5)
@@ -165,6 +168,7 @@ def test_zero_temperature_draws_no_noise_and_needs_no_key(mlp_problem):
 # jit, vmap, inject_hyperparams.
 
 
+@pytest.mark.extended  # quick: test_optax_contract.py's dtype test counts the traces of a jitted step
 def test_jit_compiles_once(mlp_problem):
   params, loss = mlp_problem
   tx = NOISY["o_cola_ud"](jax.random.key(0))
@@ -237,6 +241,7 @@ def test_vmap_over_keys_runs_independent_seeds(name, mlp_problem):
   assert float(jnp.max(jnp.abs(batched["layer1"]["w"][0] - batched["layer1"]["w"][1]))) > 0
 
 
+@pytest.mark.extended  # quick: test_optax_contract.py's inject_hyperparams test compares with the plain transform
 def test_inject_hyperparams_matches_the_plain_transform(mlp_problem):
   params, loss = mlp_problem
   constraints = {
@@ -275,6 +280,7 @@ def test_inject_hyperparams_schedule_anneals_temperature_to_zero(mlp_problem):
   assert_trees_close(noisy_updates, clean_updates, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.extended  # quick: test_optax_contract.py injects into cola_od without a key, and against the plain one
 def test_inject_hyperparams_without_key_draws_no_noise(mlp_problem):
   params, loss = mlp_problem
   tx = optax.inject_hyperparams(cola.c_cola_ud)(learning_rate=0.3, friction=1.0, radius=0.5)
@@ -304,7 +310,14 @@ def test_circle_weights_outside_the_radius_start_inside_it_at_the_first_update()
   assert jnp.max(jnp.abs(new["w"])) <= jnp.float32(0.1)
 
 
-@pytest.mark.parametrize("shape", [(6, 3), (3, 6), (3, 3, 2, 4)])
+@pytest.mark.parametrize(
+  "shape",
+  [
+    pytest.param((6, 3), marks=pytest.mark.extended),  # quick: the wide kernel (3, 6)
+    (3, 6),
+    pytest.param((3, 3, 2, 4), marks=pytest.mark.extended),
+  ],
+)
 def test_non_orthonormal_kernels_become_their_polar_factor(shape):
   w = jax.random.normal(jax.random.key(0), shape)
   params = {"w": w}
@@ -394,6 +407,7 @@ def test_constraint_that_is_not_a_constraint_is_an_error(mlp_problem):
     cola.cola_od(0.1, constraints={"layer0": {"w": 0.1, "b": None}, "layer1": None, "layer2": None}).init(params)
 
 
+@pytest.mark.extended  # quick: test_constraint_residuals_find_the_leaf_states_of_every_transform, in a chain
 def test_residuals_are_found_inside_a_chain(mlp_problem):
   params, loss = mlp_problem
   tx = optax.chain(optax.clip_by_global_norm(1.0), cola.c_cola_ud(0.3, friction=1.0, radius=0.2))
@@ -444,13 +458,14 @@ LOW_PRECISION = {
 }
 
 
-# The quick suite takes each dtype once, with each preset once; the other pairs are slow.
+# The quick suite takes bfloat16 with c_cola_ud; float16 with o_cola_od is extended, the other pairs slow.
 @pytest.mark.parametrize(
   "dtype, name",
-  quick_or_slow(
+  quick_or_extended(
     [(d, n) for d in (jnp.bfloat16, jnp.float16) for n in LOW_PRECISION],
-    {(jnp.bfloat16, "c_cola_ud"), (jnp.float16, "o_cola_od")},
+    {(jnp.bfloat16, "c_cola_ud")},
     ids=lambda d, n: f"{jnp.dtype(d).name}-{n}",
+    extended={(jnp.float16, "o_cola_od")},
   ),
 )
 def test_low_precision_parameters_keep_their_dtype_and_the_constraint(dtype, name, mlp_problem):
@@ -477,7 +492,14 @@ class _CountedCircle(cola.Circle):
     return super().init(param)
 
 
-@pytest.mark.parametrize("make", [cola.cola_od, lambda *a, **k: cola.cola_ud(*a, friction=1.0, **k)], ids=["od", "ud"])
+@pytest.mark.parametrize(
+  "make",
+  [
+    cola.cola_od,
+    pytest.param(lambda *a, **k: cola.cola_ud(*a, friction=1.0, **k), marks=pytest.mark.extended),  # quick: od
+  ],
+  ids=["od", "ud"],
+)
 def test_an_update_traces_each_leafs_point_once_and_its_state_check_no_init(make):
   params = {"a": jnp.full(3, 0.1), "b": jnp.full((2, 2), 0.2)}
   tx = make(0.1, constraints=_CountedCircle(0.5), temperature=1e-3, key=jax.random.key(0))
@@ -497,9 +519,12 @@ class _UsersState(NamedTuple):
 @pytest.mark.parametrize(
   "make",
   [
-    lambda c: cola.cola_od(0.1, constraints=c),
-    lambda c: cola.cola_ud(0.1, friction=1.0, constraints=c, splitting=cola.Splitting("OBABO")),
-    lambda c: cola.constrained(optax.adam(1e-2), constraints=c),
+    pytest.param(lambda c: cola.cola_od(0.1, constraints=c), marks=pytest.mark.extended),
+    pytest.param(
+      lambda c: cola.cola_ud(0.1, friction=1.0, constraints=c, splitting=cola.Splitting("OBABO")),
+      marks=pytest.mark.extended,
+    ),
+    lambda c: cola.constrained(optax.adam(1e-2), constraints=c),  # quick: constrained's state, in a chain
     pytest.param(lambda c: cola.manifold_muon(0.1, constraints=c), marks=pytest.mark.extended),
     pytest.param(
       lambda c: cola.hyperspherical_descent(0.1, constraints={"w": cola.UnitNorm(), "b": None}),

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _cases import quick_or_slow
+from _cases import quick_or_extended
 from _constraints import CASES, VARIANTS
 
 import cola_jax as cola
@@ -34,9 +34,11 @@ FACTORIES = {
 UNDERDAMPED = ("cola_ud", "c_cola_ud", "o_cola_ud")
 
 
-def _owners(owners, quick):
-  """``owners`` as parameters, those outside ``quick`` under slow."""
-  return quick_or_slow([(o,) for o in owners], {(o,) for o in quick}, ids=lambda o: o)
+def _fewer(owners, quick, extended):
+  """``owners`` as parameters: ``quick``'s quick, ``extended``'s extended, the others slow."""
+  return quick_or_extended(
+    [(o,) for o in owners], {(o,) for o in quick}, ids=lambda o: o, extended={(o,) for o in extended}
+  )
 
 
 ORTHOGONAL = ("o_cola_od", "o_cola_ud")
@@ -141,7 +143,7 @@ def test_traced_hyperparameters_pass_construction():
 # Schedules that reach or cross zero.
 
 
-@pytest.mark.parametrize("owner", _owners(FACTORIES, {"cola_od", "cola_ud"}))  # the presets' steps are these
+@pytest.mark.parametrize("owner", _fewer(FACTORIES, {"cola_ud"}, {"cola_od"}))  # the presets' steps are these
 def test_schedule_ending_at_zero_or_rounding_below_it_moves_nothing(owner):
   """A learning rate of 0 (cosine decay's end) or just below (linear_schedule's rounding) moves nothing."""
   params = {"w": jnp.linspace(-0.3, 0.3, 6).reshape(3, 2) * 0.2, "b": jnp.ones(2)}
@@ -217,7 +219,7 @@ def test_gradients_of_another_structure_are_an_error():
     tx.update({"dense": {"kernel": jnp.ones((3, 2))}}, tx.init(PARAMS), PARAMS)
 
 
-@pytest.mark.parametrize("owner", _owners(FACTORIES, {"cola_od", "cola_ud", "o_cola_ud"}))  # and a preset's default
+@pytest.mark.parametrize("owner", _fewer(FACTORIES, {"cola_od", "cola_ud"}, {"o_cola_ud"}))  # and a preset's default
 def test_python_and_numpy_scalar_leaves_are_used_as_optax_uses_them(owner):
   params = {"scale": 0.5, "offset": np.float32(0.25), "dense": {"kernel": jnp.full((3, 2), 0.05)}}
   tx = FACTORIES[owner]()
@@ -284,7 +286,15 @@ TRANSFORMS_OF = {
 
 
 @pytest.mark.parametrize("cases", [CASES, pytest.param(VARIANTS, marks=pytest.mark.slow)], ids=["cases", "variants"])
-@pytest.mark.parametrize("make", list(TRANSFORMS_OF.values()), ids=list(TRANSFORMS_OF))
+@pytest.mark.parametrize(
+  "make",
+  [
+    TRANSFORMS_OF["cola_od"],
+    pytest.param(TRANSFORMS_OF["cola_ud_baoab"], marks=pytest.mark.extended),  # quick: cola_od
+    pytest.param(TRANSFORMS_OF["cola_ud_noisy"], marks=pytest.mark.extended),
+  ],
+  ids=list(TRANSFORMS_OF),
+)
 def test_zero_size_leaves_pass_as_in_optax(make, cases):
   leaves, constraints = _zero_size(cases)
   tx = make(constraints)
@@ -408,7 +418,15 @@ def test_masks_of_booleans_and_callables_returning_them_choose_the_constrained_l
     assert residuals["v"] is None and residuals["w"] is not None
 
 
-@pytest.mark.parametrize("owner", ["c_cola_od", "c_cola_ud", "o_cola_od", "o_cola_ud"])
+@pytest.mark.parametrize(
+  "owner",
+  [
+    pytest.param("c_cola_od", marks=pytest.mark.extended),  # quick: a c- and an o- preset
+    "c_cola_ud",
+    "o_cola_od",
+    pytest.param("o_cola_ud", marks=pytest.mark.extended),
+  ],
+)
 def test_every_preset_accepts_constraints_as_cola_od_does(owner):
   """One vocabulary: constraints= on the presets too, instead of their radius or mask."""
   params = {"Dense_0": {"kernel": jnp.full((3, 3), 0.3)}, "Dense_1": {"kernel": jnp.full((3, 3), 0.3)}}
@@ -455,11 +473,12 @@ def _small_transformer():
   }
 
 
-# Quick: a c- and an o- preset (each family's rule and message) and hyperspherical descent's UnitNorm.
+# Extended: a c- and an o- preset (each family's rule and message) and hyperspherical descent's UnitNorm; the quick
+# suite keeps one of them per test (c_cola_ud where the test has a branch for the presets).
 QUICK_DEFAULTS = {"c_cola_ud", "o_cola_ud", "hyperspherical_descent"}
 
 
-@pytest.mark.parametrize("owner", _owners(DEFAULTS, QUICK_DEFAULTS))
+@pytest.mark.parametrize("owner", _fewer(DEFAULTS, {"hyperspherical_descent"}, QUICK_DEFAULTS))
 def test_every_default_takes_the_weight_matrices_and_names_them(owner):
   """One rule: leaves of ndim >= 2 but biases, scales and embedding tables; a warning lists them and the fix.
 
@@ -482,7 +501,7 @@ def test_every_default_takes_the_weight_matrices_and_names_them(owner):
     np.testing.assert_array_equal(new[layer][name], params[layer][name])  # free, with a zero gradient: still
 
 
-@pytest.mark.parametrize("owner", _owners(DEFAULTS, QUICK_DEFAULTS))
+@pytest.mark.parametrize("owner", _fewer(DEFAULTS, {"hyperspherical_descent"}, QUICK_DEFAULTS))
 def test_a_default_is_resolved_and_warned_about_once_over_init_a_jit_trace_and_eager_updates(owner):
   """The driver resolves the constraint spec once per tree structure, at init: before, the default's rule ran (and
   warned) again at every jit trace and every eager update."""
@@ -499,7 +518,7 @@ def test_a_default_is_resolved_and_warned_about_once_over_init_a_jit_trace_and_e
   assert len(told) == 1, [str(w.message)[:80] for w in caught]
 
 
-@pytest.mark.parametrize("owner", _owners(DEFAULTS, QUICK_DEFAULTS))
+@pytest.mark.parametrize("owner", _fewer(DEFAULTS, {"c_cola_ud"}, QUICK_DEFAULTS))
 def test_a_default_is_quiet_when_told_or_when_there_is_one_matrix(owner):
   """A mask, a radius per layer, optax.partition's labels (which route 2-D leaves whatever their names), one
   matrix, one array."""
