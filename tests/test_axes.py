@@ -95,10 +95,10 @@ def test_orthogonal_axes_validation_names_the_leaf(constraint, message):
   "shape, rows, columns, stack",
   [
     ((2, 3, 5, 4), (2,), (3,), (6, 5, 4)),  # tall
-    ((2, 3, 5, 4), (3,), (2,), (6, 5, 4)),  # the transpose: the same tall matrices
-    ((3, 5, 2), 0, 1, (2, 5, 3)),  # wide, batch axis last: stored transposed
+    pytest.param((2, 3, 5, 4), (3,), (2,), (6, 5, 4), marks=pytest.mark.extended),  # the transpose: the same ones
+    pytest.param((3, 5, 2), 0, 1, (2, 5, 3), marks=pytest.mark.extended),  # wide, batch axis last: stored transposed
     ((4, 2, 4), -1, 0, (2, 4, 4)),  # square, batch axis in the middle
-    ((2, 3, 4), (0, 2), 1, (8, 3)),  # no batch axis, rows from two axes
+    pytest.param((2, 3, 4), (0, 2), 1, (8, 3), marks=pytest.mark.extended),  # no batch axis, rows from two axes
   ],
 )
 def test_batched_view_round_trips(shape, rows, columns, stack):
@@ -173,7 +173,7 @@ def test_batched_trajectory_equals_separate_leaves(method, projection):
         np.testing.assert_allclose(p, separate_state.momentum[f"{name}{i}"], atol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["od", "ud"])
+@pytest.mark.parametrize("method", [pytest.param("od", marks=pytest.mark.extended), "ud"])  # quick: ud, its momenta
 def test_batched_noise_is_drawn_per_matrix(method):
   """One noisy step from 512 copies of one orthonormal (4, 3) matrix, no force."""
   batch, tau, h = 512, 1e-4, 0.1
@@ -335,7 +335,9 @@ def test_per_unit_trajectory_equals_dense(method, h, temperature):
       np.testing.assert_allclose(p, dense_state.momentum[name], atol=1e-5)
 
 
-@pytest.mark.parametrize("method, h, steps, atol", [("od", 0.01, 200, 5e-6), ("ud", 0.02, 100, 1e-4)])
+@pytest.mark.parametrize(
+  "method, h, steps, atol", [("od", 0.01, 200, 5e-6), pytest.param("ud", 0.02, 100, 1e-4, marks=pytest.mark.extended)]
+)
 def test_per_unit_ball_agrees_with_max_norm(method, h, steps, atol):
   """MaxNorm(0.5) and the per-unit slack form of the same ball (as in test_implicit.py).
 
@@ -354,6 +356,7 @@ def test_per_unit_ball_agrees_with_max_norm(method, h, steps, atol):
   assert bool(state.constraint_states.converged)
 
 
+@pytest.mark.extended  # quick: test_per_unit_ball_agrees_with_max_norm (per-unit projections onto a ball)
 def test_per_unit_norm_projects_radially():
   """Newton along each iterate's normal ``2 q`` scales each unit: the nearest point is radial."""
   w = jax.random.normal(jax.random.key(8), (5, 6, 2))
@@ -446,6 +449,8 @@ def test_a_3d_leaf_under_the_default_view_warns_unless_its_path_says_conv():
     cola.cola_od(0.1, constraints=cola.Orthogonal()).init({"conv": {"kernel": jnp.zeros((3, 3, 4, 5))}})  # 2-D conv
 
 
+# Extended; quick: per-matrix views in test_batched_view_round_trips and test_batched_noise_is_drawn_per_matrix.
+@pytest.mark.extended
 def test_the_per_head_rules_keep_every_head_orthonormal():
   """The attention rules of the declared-constraints guide: each head's (features, head_dim) and (head_dim, features)
   matrix orthonormal, which the flattened default leaves far from it."""

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _cases import quick_or_slow
+from _cases import quick_or_extended, quick_or_slow
 from scipy import stats
 
 import cola_jax as cola
@@ -114,6 +114,7 @@ def test_unit_norm_hyperparameters_and_axes_are_checked():
   )
 
 
+@pytest.mark.extended  # quick: test_hyperspherical.py's steps on UnitNorm(axis="all") spheres
 def test_unit_norm_axis_all_is_the_frobenius_sphere():
   """``axis="all"``: the whole leaf is one unit, ``|W|_F = r``, through noisy steps with a force."""
   c = cola.UnitNorm(2.0, axis="all")
@@ -172,7 +173,7 @@ def _nearest_on_parabola64(a, b):
   return s
 
 
-@pytest.mark.parametrize("scale", [1e-3, 0.1, 1.0, 30.0, 1e6])
+@pytest.mark.parametrize("scale", [1e-3, *(pytest.param(s, marks=pytest.mark.extended) for s in (0.1, 1.0, 30.0)), 1e6])
 def test_non_negative_projection_is_the_nearest_point(scale):
   """Five Newton iterations reach float32 rounding for steps of every size."""
   rng = np.random.default_rng(int(math.log10(scale)) + 10)
@@ -287,6 +288,7 @@ def test_non_negative_slack_agrees_with_the_weight_apply_updates_rounded(tx, sta
   assert float(cola.constraint_residuals(params, state)) <= 1e-6
 
 
+@pytest.mark.extended  # quick: test_non_negative_rattle_step (RATTLE's equations solved to rounding)
 def test_non_negative_rattle_is_second_order():
   """Against the exact free flight (arc length h v), the one-step error falls 8x per halving."""
   s0 = np.linspace(-1.5, 1.5, 13)
@@ -313,6 +315,7 @@ def test_non_negative_rattle_without_solution_is_rejected_and_reversed():
   np.testing.assert_allclose(w1, s1 * s1)
 
 
+@pytest.mark.extended  # quick: test_conformance.py's NonNegative case (its cotangent projection)
 def test_non_negative_b_step_and_noise_are_tangential():
   s = np.array([-0.7, 0.05, 0.4], np.float32)  # (at s = 0 the point is lifted: NonNegative.START)
   c, point = _parabola_point(s)
@@ -328,6 +331,9 @@ def test_non_negative_b_step_and_noise_are_tangential():
   np.testing.assert_allclose(c.cotangent(point, normal), 0.0, atol=rounding.roundings(8))
 
 
+# Extended; quick: test_non_negative_projection_is_the_nearest_point at scale 1e6, and test_reliability.py's NaN and
+# inf planted in a NonNegative gradient.
+@pytest.mark.extended
 def test_non_negative_extreme_steps_stay_on_the_parabola_or_show_nan():
   c = cola.NonNegative()
   w = jnp.array([0.0, 0.5, 2.0, 1e6, 0.3, 0.3], jnp.float32)
@@ -394,7 +400,9 @@ def _potential_grad(w):
   return 3.0 * (w - 0.2) + jnp.sin(5.0 * w)
 
 
-@pytest.mark.parametrize("method", ["od", "ud", "baoab"])
+@pytest.mark.parametrize(
+  "method", [pytest.param(m, marks=() if m == "ud" else pytest.mark.extended) for m in ("od", "ud", "baoab")]
+)
 def test_symmetric_box_is_the_circle_bit_for_bit(method):
   r = 0.5
   w = jnp.linspace(-0.7, 0.6, 64)  # some start outside
@@ -408,7 +416,7 @@ def test_symmetric_box_is_the_circle_bit_for_bit(method):
     np.testing.assert_array_equal(s_box.momentum, s_circle.momentum)
 
 
-@pytest.mark.parametrize("method", ["od", "ud"])
+@pytest.mark.parametrize("method", ["od", pytest.param("ud", marks=pytest.mark.extended)])
 def test_shifted_box_is_the_shifted_circle(method):
   lower, upper = 0.3, 1.3
   center, r = 0.8, 0.5
@@ -451,6 +459,7 @@ def test_unit_norm_is_the_dense_implicit_constraint_ud():
   assert 2.5 < errors[0] / errors[1] < 6  # second order
 
 
+@pytest.mark.extended  # quick: test_unit_norm_projections (the radial projection)
 def test_unit_norm_is_the_dense_implicit_constraint_od():
   """Radial vs SHAKE's oblique projection: O(|step|^2) per step, so O(h) over a fixed time."""
   r = 0.8
@@ -535,7 +544,7 @@ def test_zero_learning_rate_moves_nothing():
       np.testing.assert_allclose(new[name], params[name], rtol=3 * rounding.renormalised(4), atol=0)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.extended)])
 def test_low_precision_parameters_keep_their_dtype_and_the_constraint(dtype, mlp_problem):
   params, loss = mlp_problem
   low = jax.tree.map(lambda p: p.astype(dtype), params)
@@ -594,10 +603,13 @@ BOX_FREE = {
 }
 
 
-# od samples UnitNorm's spheres in the quick suite, ud the box.
+# Extended: ud's quick version (quick: the symmetric and the shifted box are the circle, whose arcsine law
+# test_invariant_measure.py samples); the others slow.
 @pytest.mark.parametrize(
   "method, size",
-  quick_or_slow([(m, s) for m in ("od", "ud") for s in BOX_FREE], {("ud", "quick")}, ids=lambda m, s: f"{m}-{s}"),
+  quick_or_extended(
+    [(m, s) for m in ("od", "ud") for s in BOX_FREE], (), ids=lambda m, s: f"{m}-{s}", extended={("ud", "quick")}
+  ),
 )
 def test_box_without_force_samples_the_arcsine_law_between_the_bounds(method, size):
   lower, upper = -0.2, 0.8
@@ -633,11 +645,12 @@ def _beta_cdf(n):
   return lambda t: stats.beta.cdf((np.clip(t, -1, 1) + 1) / 2, (n - 1) / 2, (n - 1) / 2)
 
 
-# Quick: od on circles (ud samples the box and NonNegative's density there); the rest under slow.
-UNIT_NORM_CASES = quick_or_slow(
+# Extended: od on circles (the quick suite samples the circle's law in test_invariant_measure.py); the rest slow.
+UNIT_NORM_CASES = quick_or_extended(
   [(method, n, size) for method in ("od", "ud") for n in (2, 4) for size in ("quick", "slow")],
-  {("od", 2, "quick")},
+  (),
   ids=lambda method, n, size: f"{method}-{n}-{size}",
+  extended={("od", 2, "quick")},
 )
 
 
@@ -744,9 +757,23 @@ def test_non_negative_with_quadratic_potential_samples_the_derived_density(metho
   "make, constraint, start, inside, below",
   [
     (lambda: cola.c_cola_od(0.1, radius=0.1), cola.Circle(0.1), 0.3, 0.099, 0.095),
-    (lambda: cola.c_cola_ud(0.1, momentum=0.0, radius=0.1), cola.Circle(0.1), 0.3, 0.099, 0.095),
+    pytest.param(
+      lambda: cola.c_cola_ud(0.1, momentum=0.0, radius=0.1),
+      cola.Circle(0.1),
+      0.3,
+      0.099,
+      0.095,
+      marks=pytest.mark.extended,
+    ),
     (lambda: cola.cola_od(0.1, constraints=cola.MaxNorm(0.1, axis="all")), None, 0.3, 0.099, 0.095),
-    (lambda: cola.cola_od(0.1, constraints=cola.Box(-0.1, 0.1)), cola.Box(-0.1, 0.1), 0.3, 0.099, 0.095),
+    pytest.param(
+      lambda: cola.cola_od(0.1, constraints=cola.Box(-0.1, 0.1)),
+      cola.Box(-0.1, 0.1),
+      0.3,
+      0.099,
+      0.095,
+      marks=pytest.mark.extended,
+    ),
   ],
 )
 def test_a_weight_beyond_its_bound_leaves_it_as_fast_as_one_just_inside(make, constraint, start, inside, below):

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _constraints import CASES, VARIANTS, params
+from _constraints import CASES, VARIANTS
 
 import cola_jax as cola
 from cola_jax import langevin
@@ -33,6 +33,7 @@ def test_circle_a_step_is_the_exact_rotation():
   np.testing.assert_array_equal(new_v, v)
 
 
+@pytest.mark.extended  # quick: test_circle_a_step_is_the_exact_rotation
 def test_circle_a_step_speed_matches_the_momentum():
   r, h = 0.1, 1e-3
   c, point = circle_point(jnp.array([0.06]), r)
@@ -97,7 +98,9 @@ def random_stiefel(key, shape):
   return q
 
 
-@pytest.mark.parametrize("shape", [(5, 3), (3, 5), (4, 4), (3, 3, 2, 4)])
+@pytest.mark.parametrize(
+  "shape", [(5, 3), *(pytest.param(s, marks=pytest.mark.extended) for s in ((3, 5), (4, 4), (3, 3, 2, 4)))]
+)
 def test_tall_view_round_trips_and_orients(shape):
   w = jax.random.normal(jax.random.key(0), shape)
   q = tall_view(w)
@@ -119,6 +122,7 @@ def test_orthogonal_cotangent_projection_is_an_orthogonal_projection():
   np.testing.assert_allclose(jnp.sum(pa * b), jnp.sum(a * c.cotangent(point, b)), rtol=1e-5)
 
 
+@pytest.mark.extended  # quick: test_implicit.py::test_projection_agrees_with_orthogonal (Q_n + D - Q_n Lambda)
 def test_quasi_newton_projection_keeps_the_papers_force_direction():
   c = cola.Orthogonal(tolerance=1e-6)
   q = random_stiefel(jax.random.key(0), (30, 10))
@@ -133,6 +137,7 @@ def test_quasi_newton_projection_keeps_the_papers_force_direction():
   np.testing.assert_allclose(new.matrix, q + step - q @ lam, atol=1e-6)
 
 
+@pytest.mark.extended  # quick: test_reliability.py's tangential steps (flagged steps land on the manifold)
 def test_projection_that_cannot_converge_is_flagged_and_still_lands():
   c = cola.Orthogonal(tolerance=1e-6, max_iterations=2)
   q = random_stiefel(jax.random.key(0), (40, 20))
@@ -159,8 +164,8 @@ def test_rattle_a_step_is_cotangent_and_time_reversible():
   assert float(jnp.linalg.norm(new.matrix - q)) > 0.05  # it did move
 
 
-# Slow; quick: tests/test_reliability.py's sweep takes each solver to the paper's point, and tests/test_axes.py
-# runs square_root batched against separate leaves.
+# Slow; quick: tests/test_reliability.py's sweep takes the default solver to the paper's point (extended: the
+# others, and tests/test_axes.py's square_root batched against separate leaves).
 @pytest.mark.slow
 @pytest.mark.parametrize("projection", ["newton", "square_root"])
 def test_faster_projections_follow_the_papers_trajectory(projection):
@@ -208,10 +213,15 @@ def test_unknown_projection_is_an_error():
     cola.Orthogonal(projection="svd")
 
 
-# The registry's constraints that project noise and force together; the quick suite keeps the Stiefel manifold.
+# The registry's constraints that project noise and force together: the Stiefel manifold extended (quick:
+# test_invariant_measure.py's Haar moments with CoLA-ud, its noise projected with the force), the others slow.
 @pytest.mark.parametrize(
   "constraint, shape",
-  params([c for c in CASES + VARIANTS if c[1].project_noise_with_force], quick={"orthogonal"}),
+  [
+    pytest.param(c, shape, id=name, marks=pytest.mark.extended if name == "orthogonal" else pytest.mark.slow)
+    for name, c, shape in CASES + VARIANTS
+    if c.project_noise_with_force
+  ],
 )
 def test_noise_and_force_projected_together_give_o_then_b(constraint, shape):
   """One cotangent projection of noise and force is O followed by B: ``Pi(q)`` is linear."""

@@ -130,6 +130,7 @@ def test_float32_parameters_stay_float32_with_x64_on(x64):
     assert leaf.dtype == jnp.float32
 
 
+@pytest.mark.extended  # quick: test_conformance.py's float64 check (constraint_residuals to float64's bound)
 def test_constraint_residuals_report_float64_precision(x64):
   params, loss = problem()
   tx = cola.o_cola_od(0.05, key=jax.random.key(1), tolerance=1e-13, max_iterations=50)

@@ -59,6 +59,9 @@ def test_whole_matrix_steps_are_the_reference_rule():
     np.testing.assert_allclose(w, expected, atol=2e-6)
 
 
+# Extended; quick: each column's step in test_each_unit_turns_by_arctan_lr_towards_minus_the_riemannian_gradient,
+# each row's sphere in test_points_stay_on_their_spheres.
+@pytest.mark.extended
 def test_per_column_and_per_row_spheres_are_the_reference_rule_on_each_unit():
   rng = np.random.default_rng(1)
   w = rng.standard_normal((6, 4))
@@ -72,6 +75,7 @@ def test_per_column_and_per_row_spheres_are_the_reference_rule_on_each_unit():
   np.testing.assert_allclose(got, per_column(reference_step, rows.T, g, 0.3).T, atol=1e-6)
 
 
+@pytest.mark.extended  # quick: test_each_unit_turns_by_arctan_lr_towards_minus_the_riemannian_gradient (radius 1.5)
 def test_a_sphere_of_radius_r_follows_r_times_the_unit_sphere_trajectory():
   """The step has length lr r: the learning rate is an angle, whatever the radius (Hyperball's scaling)."""
   w0, loss, _ = quadratic(7, 3, seed=2)
@@ -90,7 +94,14 @@ def test_a_sphere_of_radius_r_follows_r_times_the_unit_sphere_trajectory():
   np.testing.assert_allclose(run(scaled, r * w0, lambda v: loss(v / r)), r * run(unit, w0, loss), atol=1e-5)
 
 
-@pytest.mark.parametrize("constraint", [cola.UnitNorm(axis="all"), cola.UnitNorm(0.5), cola.UnitNorm(2.0, axis=-1)])
+@pytest.mark.parametrize(
+  "constraint",
+  [
+    cola.UnitNorm(axis="all"),
+    pytest.param(cola.UnitNorm(0.5), marks=pytest.mark.extended),
+    cola.UnitNorm(2.0, axis=-1),
+  ],
+)
 def test_points_stay_on_their_spheres(constraint):
   w0, loss, _ = quadratic(16, 8, seed=3)
   tx = cola.hyperspherical_descent(0.5, constraints=constraint)
@@ -165,7 +176,7 @@ def test_a_zero_gradient_leaves_the_unit_where_it_is():
   )
 
 
-@pytest.mark.parametrize("scale", [1e-30, 1e-20, 1e20, 1e30])
+@pytest.mark.parametrize("scale", [1e-30, *(pytest.param(s, marks=pytest.mark.extended) for s in (1e-20, 1e20)), 1e30])
 def test_the_step_does_not_depend_on_the_size_of_the_gradient(scale):
   """Tiny gradients (whose squares underflow) and huge ones (whose squares overflow) give the same step."""
   rng = np.random.default_rng(6)
@@ -186,6 +197,7 @@ def test_free_leaves_take_plain_gradient_descent():
   np.testing.assert_allclose(jnp.linalg.norm(new["w"]), 1.0, rtol=1e-6)
 
 
+@pytest.mark.extended  # quick: test_a_decaying_schedule_reaches_the_known_minimum
 def test_a_schedule_sets_the_angle_of_each_step():
   schedule = optax.piecewise_constant_schedule(1.0, {2: 0.1})  # 1, 1, 0.1, 0.1, ...
   tx = cola.hyperspherical_descent(schedule)
@@ -214,7 +226,7 @@ def test_inject_hyperparams_sets_the_learning_rate():
   np.testing.assert_allclose(one_step(injected, w, g), one_step(cola.hyperspherical_descent(0.3), w, g), atol=bound)
 
 
-@pytest.mark.parametrize("case", ["random", "zero", "subnormal"])
+@pytest.mark.parametrize("case", ["random", pytest.param("zero", marks=pytest.mark.extended), "subnormal"])
 def test_compiled_and_eager_steps_agree(case):
   """Jitted with arguments, jitted with the inputs as compile-time constants (which XLA folds), and op by op."""
   rng = np.random.default_rng(9)

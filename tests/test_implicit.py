@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _cases import quick_or_slow
+from _cases import quick_or_extended
 from scipy import stats
 
 import cola_jax as cola
@@ -445,6 +445,7 @@ def _zero_sum_norm(r):
   return lambda u: jnp.stack([jnp.sum(u), jnp.sum(u * u) / r**2 - 1])
 
 
+@pytest.mark.extended  # quick: test_project_params (Newton onto zero sum and a fixed norm)
 def test_newton_converges_far_below_the_start_in_float32():
   """Glorot columns of a 784-1000 layer (norm ~0.94) onto zero sum and norm r = 0.05, and SHAKE back towards them.
 
@@ -540,11 +541,18 @@ GAUSSIAN = {
   "quick": dict(chains=4_000, od=dict(h=0.5, steps=40), ud=dict(h=0.5, steps=80)),
   "slow": dict(chains=100_000, od=dict(h=0.5, steps=80), ud=dict(h=0.5, steps=160)),
 }
-SIZES = [pytest.param("quick", id="quick"), pytest.param("slow", id="slow", marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("method", ["od", "ud"])
+# Quick: od's quick version; ud's extended, the long ones slow.
+@pytest.mark.parametrize(
+  "method, size",
+  quick_or_extended(
+    [(m, size) for size in GAUSSIAN for m in ("od", "ud")],
+    {("od", "quick")},
+    ids=lambda m, s: f"{m}-{s}",
+    extended={("ud", "quick")},
+  ),
+)
 def test_gaussian_on_the_zero_sum_hyperplane(method, size):
   d, tau = 5, 0.5
   a = jnp.array([1.0, -0.5, 2.0, 0.0, 0.3])
@@ -593,10 +601,12 @@ SPHERE = {
 }
 
 
-# The quick suite samples the sphere with ud; od's law on an Implicit constraint is the zero-sum Gaussian's.
+# Extended: ud's quick version (quick: the zero-sum Gaussian with od); od's and the long ones slow.
 @pytest.mark.parametrize(
   "method, size",
-  quick_or_slow([(m, size) for m in ("od", "ud") for size in SPHERE], {("ud", "quick")}, ids=lambda m, s: f"{m}-{s}"),
+  quick_or_extended(
+    [(m, size) for m in ("od", "ud") for size in SPHERE], (), ids=lambda m, s: f"{m}-{s}", extended={("ud", "quick")}
+  ),
 )
 def test_uniform_on_the_zero_mean_sphere(method, size):
   rows, cols, c, tau = 4, 3, 1.0, 0.25

@@ -35,9 +35,9 @@ Each test also shows that it can fail: its statistic rejects a wrong answer
 law, the density without the surface-measure factor, a chain stopped too early,
 signed permutation matrices with the right second moments).
 
-``pytest`` runs one quick version per law (the arcsine law with CoLA-ud, the
-Gibbs law with CoLA-od, Haar moments for the square case with CoLA-ud);
-``pytest -m slow`` the long ones and the other quick ones.
+``pytest`` runs the quick arcsine law with CoLA-ud and Haar moments for the
+square case with CoLA-ud; ``pytest -m extended`` the quick Gibbs law with
+CoLA-od; ``pytest -m slow`` the long ones and the other quick ones.
 """
 
 import dataclasses
@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _cases import quick_or_slow
+from _cases import quick_or_extended, quick_or_slow
 from scipy import integrate, stats
 
 import cola_jax as cola
@@ -160,13 +160,14 @@ CIRCLE_FREE = {
 }
 
 
-def _circle_cases(quick_method):
-  """(method, size) for both methods and sizes: only ``quick_method``'s quick version outside slow."""
-  return quick_or_slow(
-    [(method, size) for size in ("quick", "slow") for method in ("od", "ud")],
-    {(quick_method, "quick")},
-    ids=lambda method, size: f"{method}-{size}",
-  )
+def _circle_cases(quick_method, extended=False):
+  """(method, size) for both methods and sizes: only ``quick_method``'s quick version outside slow (with
+  ``extended``, under extended)."""
+  cases = [(method, size) for size in ("quick", "slow") for method in ("od", "ud")]
+  ids = lambda method, size: f"{method}-{size}"
+  if extended:
+    return quick_or_extended(cases, (), ids=ids, extended={(quick_method, "quick")})
+  return quick_or_slow(cases, {(quick_method, "quick")}, ids=ids)
 
 
 def _config(table, size, method):
@@ -229,7 +230,8 @@ CIRCLE_FORCE = {
 }
 
 
-@pytest.mark.parametrize("method, size", _circle_cases("od"))
+# Its quick version under extended; quick: the arcsine law above (the circle's chains without a force).
+@pytest.mark.parametrize("method, size", _circle_cases("od", extended=True))
 def test_circle_with_quadratic_potential_samples_its_gibbs_law(method, size):
   cfg = _config(CIRCLE_FORCE, size, method)
   r, tau, k, c = cfg["r"], cfg["tau"], cfg["k"], cfg["c"]

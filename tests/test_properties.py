@@ -13,7 +13,7 @@ shows in the parameter or its residual.
 Profiles: ``quick`` (few derandomized examples; compilation dominates, so
 each method and constraint compiles once, for one tree with a leaf of every
 kind and dtype, and hypothesis draws the values: hyperparameters are traced
-arguments; the quick suite runs three of its cases, one per method, the slow
+arguments; the extended tier runs three of its cases, one per method, the slow
 tier the others) and ``long`` (``pytest -m slow``: the leaves' shapes and
 dtypes are drawn too).
 """
@@ -193,14 +193,18 @@ def _test(method, constraint_name, data, layouts):
 
 CASES = [pytest.param(m, c, id=f"{m}-{c}") for m in METHODS for c in CONSTRAINTS]
 # The quick profile takes every constraint once, the methods in turn (compilation
-# dominates); the quick suite keeps one case (Newton's iterations), the extended tier one case per
-# other method (a matrix manifold's projection, the spectral ball), the slow tier the others; the long
-# profile takes every pair.
+# dominates); the extended tier keeps one case per method (Newton's iterations, a matrix manifold's
+# projection, the spectral ball), the slow tier the others; the long profile takes every pair. Quick:
+# tests/test_reliability.py (steps of any size flagged, planted NaNs shown) and the low-precision dtype tests.
 QUICK_CASES = quick_or_extended(
   list(zip(list(METHODS) * len(CONSTRAINTS), CONSTRAINTS)),
-  {("cola_od", "implicit")},
+  (),
   ids=lambda m, c: f"{m}-{c}",
-  extended={("cola_ud_oba", "orthogonal_scaled_wide"), ("cola_ud_baoab", "max_spectral_norm")},
+  extended={
+    ("cola_od", "implicit"),
+    ("cola_ud_oba", "orthogonal_scaled_wide"),
+    ("cola_ud_baoab", "max_spectral_norm"),
+  },
 )
 
 

@@ -3,7 +3,7 @@
 Tangential steps whose spectral norm runs on a log scale from 0.1 to 1e4 (a
 square kernel's projection has no root beyond 1), NaN and inf planted in
 parameters, gradients, momenta and slacks, and the orthogonal RNN of issue 21.
-The quick suite runs a few points of each sweep; ``-m slow`` runs them all.
+The quick suite runs a few points of each sweep, ``-m extended`` a few more; ``-m slow`` runs them all.
 """
 
 import dataclasses
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _cases import quick_or_slow
+from _cases import quick_or_extended
 
 import cola_jax as cola
 from cola_jax import langevin
@@ -81,8 +81,12 @@ def _check_tangential_sweep(solver, shape_name, method, sizes):
       assert np.abs(sym).max() <= 1e-4 * (1 + np.abs(p).max()), case
 
 
-# The quick suite: each solver once, each shape once, both dynamics.
-QUICK_SWEEPS = [("quasi_newton", "square", "od"), ("newton", "square", "ud"), ("square_root", "wide", "od")]
+# The quick suite: the default solver on the square kernel; extended: each other solver once, the wide shape, ud.
+QUICK_SWEEPS = [
+  ("quasi_newton", "square", "od"),
+  pytest.param("newton", "square", "ud", marks=pytest.mark.extended),
+  pytest.param("square_root", "wide", "od", marks=pytest.mark.extended),
+]
 
 
 @pytest.mark.parametrize("solver, shape_name, method", QUICK_SWEEPS)
@@ -98,6 +102,7 @@ def test_tangential_step_sweep(solver, shape_name, method):
   _check_tangential_sweep(solver, shape_name, method, ALL_SIZES)
 
 
+@pytest.mark.extended  # quick: test_tangential_steps_of_any_size_are_the_papers_point_or_flagged (its flags)
 def test_tangential_norm_bound_is_a_lower_bound_that_detects_the_square_case():
   a = np.random.default_rng(0).normal(size=(16, 16)).astype(np.float32)
   a = (a - a.T) / np.linalg.norm(a - a.T, 2)
@@ -147,9 +152,14 @@ def _with_slack(aux, slack):
   return aux._replace(slack=slack) if hasattr(aux, "_replace") else dataclasses.replace(aux, slack=slack)
 
 
-# The quick suite: every place once, jitted (test_conformance.py plants a NaN in every built-in constraint's
-# parameter); -m slow: every constraint at every place, eager and jitted.
-QUICK_PLANTS = [("unit_norm", "param"), ("non_negative", "grad"), ("orthogonal", "momentum"), ("circle", "slack")]
+# The quick suite: a gradient and a momentum, jitted (test_conformance.py plants a NaN in a parameter and a momentum);
+# extended: the other places once; -m slow: every constraint at every place, eager and jitted.
+QUICK_PLANTS = [
+  pytest.param("unit_norm", "param", marks=pytest.mark.extended),
+  ("non_negative", "grad"),
+  ("orthogonal", "momentum"),
+  pytest.param("circle", "slack", marks=pytest.mark.extended),
+]
 ALL_PLANTS = [(name, where) for name in NAMES for where in ("param", "grad", "momentum", "slack")]
 
 
@@ -190,11 +200,17 @@ def _check_planted(name, where, jit):
     assert _shows(new_params, new_state, repaired_is_fine=where == "slack"), (name, where, value)
 
 
-# The quick suite: a constraint of each kind (the others' residuals are the same code), -m slow the rest.
+# The quick suite: the Stiefel manifold; extended: a constraint of each other kind (the others' residuals are the
+# same code); -m slow the rest.
 QUICK_RESIDUALS = {"orthogonal", "circle", "max_norm", "box", "non_negative", "unit_norm", "implicit"}
 
 
-@pytest.mark.parametrize("name", quick_or_slow([(n,) for n in NAMES], {(n,) for n in QUICK_RESIDUALS}, ids=str))
+@pytest.mark.parametrize(
+  "name",
+  quick_or_extended(
+    [(n,) for n in NAMES], {("orthogonal",)}, ids=str, extended={(n,) for n in QUICK_RESIDUALS - {"orthogonal"}}
+  ),
+)
 def test_residual_of_a_non_finite_leaf_is_never_finite(name):
   constraint = registry.case(name)[0]
   params = {"w": jnp.asarray(registry.start(constraint, SHAPE))}
@@ -225,6 +241,7 @@ def _rnn_loss(params, inputs, targets):
   return jnp.mean((hidden @ params["readout"][:, 0] - targets) ** 2)
 
 
+@pytest.mark.extended  # quick: the tangential steps of any size on a 64 x 64 square matrix above
 def test_orthogonal_rnn_at_a_large_step_keeps_its_recurrent_matrix_orthonormal():
   keys = jax.random.split(jax.random.key(0), 4)
   params = {
@@ -252,6 +269,7 @@ def test_orthogonal_rnn_at_a_large_step_keeps_its_recurrent_matrix_orthonormal()
       assert _shows(params, state, "recurrent"), i
 
 
+@pytest.mark.extended  # quick: test_tangential_steps_of_any_size_are_the_papers_point_or_flagged
 def test_small_steps_skip_the_root_bound_and_agree_with_it():
   # |D|_F <= 1/2 answers "a root may exist" without the power steps; the fixed form always runs them.
   rng = np.random.default_rng(3)

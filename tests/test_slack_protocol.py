@@ -78,7 +78,10 @@ def test_the_momentum_defaults_follow_the_point():
   np.testing.assert_allclose(radial, 0.0, atol=1e-6)  # the O step's momentum is tangent, row by row
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.float64, marks=pytest.mark.slow)])
+# Extended; quick: test_a_state_of_any_pytree_reaches_constraint_residuals (the ball, its state a dict).
+@pytest.mark.parametrize(
+  "dtype", [pytest.param(jnp.float32, marks=pytest.mark.extended), pytest.param(jnp.float64, marks=pytest.mark.slow)]
+)
 def test_a_slack_constraint_with_a_tuple_point_conforms(dtype):
   with jax.enable_x64(dtype == jnp.float64):
     check_constraint(BALL, (4, 3), dtype=dtype)
@@ -101,8 +104,11 @@ def _train(tx, steps=400):
   "tx",
   [
     cola.cola_od(0.05, constraints=BALL),
-    cola.cola_ud(0.1, friction=1.0, temperature=1e-7, key=jax.random.key(1), constraints=BALL),
-    cola.constrained(optax.adam(2e-2), constraints=BALL),
+    pytest.param(
+      cola.cola_ud(0.1, friction=1.0, temperature=1e-7, key=jax.random.key(1), constraints=BALL),
+      marks=pytest.mark.extended,  # quick: test_a_state_of_any_pytree_reaches_constraint_residuals trains with cola_ud
+    ),
+    pytest.param(cola.constrained(optax.adam(2e-2), constraints=BALL), marks=pytest.mark.extended),
   ],
   ids=["cola_od", "cola_ud", "constrained_adam"],
 )
@@ -171,9 +177,10 @@ def test_a_state_of_any_pytree_reaches_constraint_residuals():
   [
     (NoGradient(0.5), r"protocol shapes: ambient_gradient raised: TypeError: .*override ambient_gradient"),
     (RaisesInProject(0.5), r"protocol shapes: project raised \(called by point\): TypeError: cannot reshape"),
-    (
+    pytest.param(
       StateWithBrokenResidual(0.5),
       r"invariant measure \(smoke\): .*state's residual\(param\) .*TypeError: BrokenStateResidual.residual\(\) takes",
+      marks=pytest.mark.extended,  # quick: the methods named in the two cases above
     ),
   ],
   ids=["ambient_gradient", "project", "state"],
@@ -200,7 +207,7 @@ def test_check_constraint_says_when_the_residual_is_the_default():
   "tx",
   [
     cola.constrained(optax.adam(5e-2), constraints=cola.NonNegative()),
-    cola.cola_ud(0.1, friction=1.0, constraints=cola.NonNegative()),
+    pytest.param(cola.cola_ud(0.1, friction=1.0, constraints=cola.NonNegative()), marks=pytest.mark.extended),
   ],
   ids=["constrained_adam", "cola_ud"],
 )

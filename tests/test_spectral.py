@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _cases import quick_or_extended, quick_or_slow
+from _cases import quick_or_extended
 
 import cola_jax as cola
 from cola_jax.constraints.stiefel_retraction import rounding_floor
@@ -68,7 +68,13 @@ def _svd_clip(w, limit, **axes):
 
 @pytest.mark.parametrize(
   "shape, axes",
-  [((7, 3), {}), ((3, 7), {}), ((4, 4), {}), ((2, 3, 4, 5), {"row_axes": 2, "column_axes": 3})],
+  [
+    ((7, 3), {}),
+    *(
+      pytest.param(*case, marks=pytest.mark.extended)  # quick: the tall one
+      for case in (((3, 7), {}), ((4, 4), {}), ((2, 3, 4, 5), {"row_axes": 2, "column_axes": 3}))
+    ),
+  ],
   ids=["tall", "wide", "square", "per_tap"],
 )
 def test_a_start_beyond_the_ball_is_the_svd_clip_at_the_start_radius(shape, axes):
@@ -134,10 +140,10 @@ def _methods(c, key):
 METHODS = tuple(_methods(None, jax.random.key(0)))
 CASES = quick_or_extended(
   [(m, shape) for m in METHODS for shape in ((6, 3), (3, 6), (2, 3, 4))],
-  {("cola_od", (6, 3)), ("cola_ud_noisy", (3, 6))},
+  {("cola_od", (6, 3))},
   # The presets and constrained(sgd) wrap what cola_od and constrained(adam) run.
   extended={(m, (6, 3)) for m in ("cola_od_noisy", "o_cola_ud_constraints", "constrained_adam")}
-  | {("cola_od_noisy", (2, 3, 4))},
+  | {("cola_od_noisy", (2, 3, 4)), ("cola_ud_noisy", (3, 6))},
 )
 
 
@@ -206,13 +212,13 @@ def test_a_parameter_changed_outside_the_optimizer_shows_in_the_residual():
 # Orthogonal(scale=s)
 
 
-# Quick: two methods; each method once and each shape at least once with the extended ones; the rest slow.
+# Quick: cola_od; each method once and each shape at least once with the extended ones; the rest slow.
 @pytest.mark.parametrize(
   "method, shape",
   quick_or_extended(
     [(m, s) for m in ("cola_od", "cola_ud", "constrained_adam", "manifold_muon") for s in ((6, 3), (3, 6), (2, 3, 4))],
-    {("cola_od", (6, 3)), ("manifold_muon", (3, 6))},
-    extended={("cola_ud", (2, 3, 4)), ("constrained_adam", (6, 3))},
+    {("cola_od", (6, 3))},
+    extended={("cola_ud", (2, 3, 4)), ("constrained_adam", (6, 3)), ("manifold_muon", (3, 6))},
   ),
 )
 def test_orthogonal_scale_holds_w_t_w_equal_s2_i(method, shape):
@@ -335,6 +341,7 @@ def _truncated_haar_statistics(q):
   return out
 
 
+@pytest.mark.extended  # the reference of the extended sampling test below
 def test_truncated_haar_reference():
   """The moments hold for exact Haar samples."""
   rng = np.random.default_rng(0)
@@ -383,7 +390,8 @@ def _z(statistics):
   return z
 
 
-LAW_CASES = quick_or_slow([("ud", "quick"), ("od", "quick"), ("ud", "slow")], {("ud", "quick")})
+# Extended: ud's quick version (quick: test_invariant_measure.py's Haar moments on a Stiefel manifold); the rest slow.
+LAW_CASES = quick_or_extended([("ud", "quick"), ("od", "quick"), ("ud", "slow")], (), extended={("ud", "quick")})
 
 
 @pytest.mark.parametrize("method, size", LAW_CASES)

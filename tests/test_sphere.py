@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _cases import quick_or_slow
+from _cases import quick_or_extended
 from scipy import integrate, stats
 
 import cola_jax as cola
@@ -92,7 +92,7 @@ def test_axis_must_be_integers_without_repeats():
 # axis="all": the whole leaf is one unit, |W|_F <= r.
 
 
-@pytest.mark.extended  # quick: test_axis_all_holds_the_frobenius_ball_with_residuals
+@pytest.mark.extended  # quick: MaxNorm(axis="all") in test_catalog.py's start beyond the bound
 def test_axis_all_is_one_unit_the_whole_leaf():
   c = cola.MaxNorm(2.0, axis="all")
   assert c.axis == "all" and c == cola.MaxNorm(2.0, axis="all") and hash(c) == hash(cola.MaxNorm(2.0, axis="all"))
@@ -109,6 +109,7 @@ def test_axis_all_is_one_unit_the_whole_leaf():
     assert float(jnp.linalg.norm(c.nearest(w))) == pytest.approx(0.99 * 2.0, rel=1e-6)  # 1 % inside: free to move
 
 
+@pytest.mark.extended  # quick: test_axes.py's per-unit ball against MaxNorm; axis="all" in test_catalog.py's start
 @pytest.mark.parametrize("method", ["od", pytest.param("ud", marks=pytest.mark.slow)])  # the ball is the method's
 def test_axis_all_holds_the_frobenius_ball_with_residuals(method):
   """A matrix of norm 0.5 stays where it is, one of norm 3 is scaled to norm 0.99; noisy steps keep ``|W|_F <= 1``."""
@@ -143,9 +144,9 @@ def test_axis_all_holds_the_frobenius_ball_with_residuals(method):
     pytest.param((3, 3, 2, 4), None, (1, 1, 1, 4), marks=pytest.mark.slow),  # conv kernel: a unit per filter
     pytest.param((3, 3, 2, 4), (0, 1), (1, 1, 2, 4), marks=pytest.mark.slow),  # (the axes as for (4, 3))
     pytest.param((4, 3), 1, (4, 1), marks=pytest.mark.slow),
-    ((4, 3), -1, (4, 1)),
-    ((5,), None, (5,)),  # a vector: every entry its own unit (the circle)
-    ((5,), 0, (1,)),
+    pytest.param((4, 3), -1, (4, 1), marks=pytest.mark.extended),
+    pytest.param((5,), None, (5,), marks=pytest.mark.extended),  # a vector: every entry its own unit (the circle)
+    pytest.param((5,), 0, (1,), marks=pytest.mark.extended),
   ],
 )
 def test_init_puts_units_in_the_ball_with_one_slack_each(shape, axis, slack_shape):
@@ -263,6 +264,7 @@ def test_a_step_is_the_exact_geodesic_flow():
   np.testing.assert_allclose(-np.asarray(u0)[:, small], np.asarray(u)[:, small], atol=1e-5)
 
 
+@pytest.mark.extended  # quick: test_a_step_is_the_exact_geodesic_flow
 def test_a_step_speed_matches_the_momentum():
   r, h = 0.5, 1e-3
   c, point = sphere_point(jnp.array([[0.1], [-0.2], [0.3]]), r)
@@ -313,10 +315,11 @@ UNIT_LAYOUTS = {"row-axis0": ((1, 7), 0), "vector": ((7,), None)}
 
 @pytest.mark.parametrize(
   "layout, method, tau",
-  quick_or_slow(  # quick: each layout once, with and without noise
+  quick_or_extended(  # quick: one layout, od; extended: the other layout, ud with noise
     [(layout, method, tau) for layout in UNIT_LAYOUTS for method, tau in EQUIVALENCE],
-    {("row-axis0", "od", 0.0), ("vector", "ud", 1e-2)},
+    {("row-axis0", "od", 0.0)},
     ids=lambda layout, method, tau: f"{layout}-{method}-{tau}",
+    extended={("vector", "ud", 1e-2)},
   ),
 )
 def test_one_weight_per_unit_is_the_circle(layout, method, tau):
@@ -354,7 +357,7 @@ LONG_METHODS = {
 }
 
 
-@pytest.mark.slow  # the long runs of the catalog and of Implicit stay quick
+@pytest.mark.slow  # the catalog's long run stays quick
 @pytest.mark.parametrize("method", sorted(LONG_METHODS))
 def test_constraints_hold_after_many_noisy_steps(method, cnn_problem):
   params, loss = cnn_problem
@@ -445,8 +448,10 @@ def _z_scores(statistics):
   }
 
 
-@pytest.mark.parametrize("n", [pytest.param(n, marks=() if n == 3 else pytest.mark.slow) for n in (1, 2, 3, 6)])
-def test_uniform_sphere_formulas(n):  # quick: S^3, the sphere the quick sampling test draws
+@pytest.mark.parametrize(
+  "n", [pytest.param(n, marks=pytest.mark.extended if n == 3 else pytest.mark.slow) for n in (1, 2, 3, 6)]
+)
+def test_uniform_sphere_formulas(n):  # extended: S^3, the sphere the extended sampling test draws
   """The moments and the Beta(n/2, n/2) marginal hold for exact uniform samples."""
   g = np.random.default_rng(n).standard_normal((n + 1, 200_000))
   x = g / np.linalg.norm(g, axis=0)
@@ -469,13 +474,14 @@ SPHERE_FREE = {
   "quick": dict(r=0.5, tau=0.25, gamma=1.0, units=20_000, od=dict(h=0.01, steps=1_000), ud=dict(h=0.05, steps=400)),
   "slow": dict(r=0.5, tau=0.25, gamma=1.0, units=400_000, od=dict(h=0.01, steps=2_000), ud=dict(h=0.05, steps=800)),
 }
-# Quick: the Dense-like column at the small size with CoLA-ud; slow: CoLA-od's, and
-# every shape at the large size.
-CASES = quick_or_slow(
+# Extended: the Dense-like column at the small size with CoLA-ud (quick: a unit of one weight is the circle,
+# whose law test_invariant_measure.py samples); slow: CoLA-od's, and every shape at the large size.
+CASES = quick_or_extended(
   [(method, 3, "quick") for method in ("od", "ud")]
   + [(method, n, "slow") for n in sorted(SHAPES) for method in ("od", "ud")],
-  {("ud", 3, "quick")},
+  (),
   ids=lambda method, n, size: f"{method}-{n}-{size}",
+  extended={("ud", 3, "quick")},
 )
 
 
