@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _cases import quick_or_extended
 from _constraints import case, params, start
 
 import cola_jax as cola
@@ -117,7 +118,7 @@ def test_non_finite_input_shows_or_is_flagged(name, method, where, value):
     assert residual <= 1e-6
 
 
-@pytest.mark.parametrize("name", ["circle", "max_norm"])
+@pytest.mark.parametrize("name", ["circle", pytest.param("max_norm", marks=pytest.mark.extended)])  # quick: circle
 @pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan])
 def test_project_params_shows_a_non_finite_entry(name, value):
   constraint, param = _named(name)
@@ -158,7 +159,9 @@ def _check_finite_gradient(tx, param, size):
     assert _converged(state), size
 
 
-@pytest.mark.parametrize("name", ["circle", "max_norm", "orthogonal"])
+@pytest.mark.parametrize(  # quick: the matrix manifold, every size
+  "name", [pytest.param(n, marks=pytest.mark.extended) for n in ("circle", "max_norm")] + ["orthogonal"]
+)
 @pytest.mark.parametrize("size", [1e-30, 1e30, F32_MAX])
 def test_parameters_of_any_finite_size_are_moved_onto_the_manifold(name, size):
   # The constraint's own point (params + updates cannot carry a move from 1e30
@@ -172,7 +175,9 @@ def test_parameters_of_any_finite_size_are_moved_onto_the_manifold(name, size):
   assert float(constraint.init(nearest).residual(nearest)) <= 1e-6
 
 
-@pytest.mark.parametrize("step", [1e19, 1e20, 1e30, F32_MAX])
+@pytest.mark.parametrize(  # quick: the largest step
+  "step", [*(pytest.param(s, marks=pytest.mark.extended) for s in (1e19, 1e20, 1e30)), F32_MAX]
+)
 def test_circle_overdamped_huge_step_lands_on_the_side_it_points_to(step):
   r = 0.05
   c = cola.Circle(r)
@@ -187,8 +192,14 @@ def test_circle_overdamped_huge_step_lands_on_the_side_it_points_to(step):
     assert np.all(np.isfinite(state.slack)) and np.all(np.abs(state.slack) <= 1e-6 * r)
 
 
-@pytest.mark.parametrize("name", ["circle", "max_norm"])
-@pytest.mark.parametrize("size", [1e7, 1e8, 1e20, 1e30])
+@pytest.mark.parametrize(  # quick: the circle at the largest angle
+  ("name", "size"),
+  quick_or_extended(
+    [(n, s) for n in ("circle", "max_norm") for s in (1e7, 1e8, 1e20, 1e30)],
+    {("circle", 1e30)},
+    ids=lambda n, s: f"{s}-{n}",
+  ),
+)
 def test_underdamped_large_angles_keep_the_radius(name, size):
   # h = 0.3, r = 0.05: rotation angles of 6e7 to 6e30 radians.
   constraint = cola.Circle(0.05) if name == "circle" else cola.MaxNorm(0.05)

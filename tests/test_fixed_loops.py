@@ -46,7 +46,9 @@ def _has_while(fn, *args):
 @pytest.mark.parametrize(
   "solver", [pytest.param(s, marks=() if s == "quasi_newton" else pytest.mark.slow) for s in SOLVERS]
 )
-@pytest.mark.parametrize("shape", [(24, 24), (40, 16)], ids=["square", "tall"])
+@pytest.mark.parametrize(  # quick: the square leaf
+  "shape", [(24, 24), pytest.param((40, 16), marks=pytest.mark.extended)], ids=["square", "tall"]
+)
 def test_fixed_loops_reach_the_while_loops_point_iterations_and_flag(solver, shape):
   q_n, steps = _start_and_steps(shape)
   (while_point, while_p), (fixed_point, fixed_p) = (
@@ -62,6 +64,7 @@ def test_fixed_loops_reach_the_while_loops_point_iterations_and_flag(solver, sha
   assert 0 < int(while_point.info.iterations[0]) <= int(while_point.info.iterations[1])
 
 
+@pytest.mark.extended  # quick: test_fixed_loops_reach_the_while_loops_point_iterations_and_flag (a step that stalls)
 def test_a_stalled_projection_ends_at_the_same_polar_factor_in_both_forms():
   q_n, steps = _start_and_steps((24, 24))
   (while_point, _), (fixed_point, _) = (
@@ -108,7 +111,7 @@ def test_o_cola_ud_with_noise_trains_the_same_in_both_forms():
   np.testing.assert_allclose(fixed_params["b"], while_params["b"], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("quasi_newton", [False, True])
+@pytest.mark.parametrize("quasi_newton", [False, pytest.param(True, marks=pytest.mark.extended)])  # quick: the default
 def test_implicit_fixed_loops_match_while_loops(quasi_newton):
   unit_sphere = lambda w: jnp.sum(w**2) - 1
   params = jax.random.normal(jax.random.key(0), (6, 10))

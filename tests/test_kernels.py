@@ -32,6 +32,7 @@ def _stiefel(rng, n, p):
 # Sine and cosine of any float32 angle
 
 
+@pytest.mark.extended  # quick: test_sincos_is_exact_for_every_finite_float32_angle
 def test_sincos_matches_float64_to_float32_accuracy():
   x = jnp.linspace(-100.0, 100.0, 400_001, dtype=jnp.float32)
   sin, cos = numerics.sincos(x)
@@ -89,6 +90,7 @@ def test_sincos_of_inf_and_nan_is_nan():
   assert np.all(np.isnan(sin)) and np.all(np.isnan(cos))
 
 
+@pytest.mark.extended  # quick: test_sincos_is_exact_for_every_finite_float32_angle[with_sincos]
 def test_with_sincos_takes_the_fast_path_only_where_it_is_exact():
   small = np.float32([0.5, -3.0, 8191.0])
   fast = jax.jit(lambda x: numerics.with_sincos(lambda sincos, x: sincos(x), x))(small)
@@ -98,7 +100,7 @@ def test_with_sincos_takes_the_fast_path_only_where_it_is_exact():
   np.testing.assert_allclose(exact[0], np.sin(large.astype(np.float64)), atol=1.2e-7)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dtype", [np.float32, pytest.param(np.float64, marks=pytest.mark.extended)])  # quick: float32
 def test_power_of_two_scale_is_exact_and_brings_every_size_to_order_one(dtype):
   with jax.enable_x64(dtype == np.float64):
     info = np.finfo(dtype)
@@ -143,7 +145,9 @@ def test_xla_cpu_max_drops_nan_so_checks_use_max_abs():
 # Small linear systems and the ADMM
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 8])
+@pytest.mark.parametrize(  # quick: the smallest system with pivots
+  "m", [m if m == 2 else pytest.param(m, marks=pytest.mark.extended) for m in (1, 2, 5, 8)]
+)
 def test_small_systems_are_solved_with_pivoting(m):
   """The elimination used for up to 8 components per unit agrees with LAPACK, batch and pivots included."""
   a = np.asarray(jax.random.normal(jax.random.key(m), (5, 3, m, m)), np.float64)
@@ -157,6 +161,7 @@ def test_small_systems_are_solved_with_pivoting(m):
   assert np.all(np.abs(np.asarray(got) - expected) <= 2e-6 * m * scale)
 
 
+@pytest.mark.extended  # quick: test_manifold_muon.py's brute-force maximiser, its square case (the closed form)
 def test_square_closed_form_equals_the_iterative_solution():
   rng = np.random.default_rng(2)
   w, g = _stiefel(rng, 6, 6), rng.normal(size=(6, 6)).astype(np.float32)

@@ -56,12 +56,12 @@ def _brute_force_value(w, g, starts):
   return -best.fun, a / np.linalg.norm(a, 2)
 
 
-# (4, 2), the largest tangent space searched by Nelder-Mead, is slow; (3, 2) keeps a tall case quick, (2, 2) a
-# square one; the others are extended.
+# (4, 2), the largest tangent space searched by Nelder-Mead, is slow; (2, 2) keeps a square case (the closed form)
+# quick; the others are extended (a tall direction's certificate: the gap test).
 @pytest.mark.parametrize(
   "shape",
   [
-    (3, 2),
+    pytest.param((3, 2), marks=pytest.mark.extended),
     pytest.param((4, 2), marks=pytest.mark.slow),
     (2, 2),
     *(pytest.param(s, marks=pytest.mark.extended) for s in ((3, 3), (3, 1))),
@@ -80,7 +80,7 @@ def test_direction_is_the_brute_force_maximiser(shape):
   np.testing.assert_allclose(a, brute, atol=2e-3)  # the maximiser is unique for generic G
 
 
-# Quick: (30, 20); test_the_gap_bounds_the_suboptimality_and_meets_the_gap_tolerance takes this spectrum at (40, 8).
+@pytest.mark.extended  # quick: test_the_gap_bounds_the_suboptimality_and_meets_the_gap_tolerance (this spectrum)
 @pytest.mark.parametrize(
   "n, p", [pytest.param(40, 8, marks=pytest.mark.slow), (30, 20), pytest.param(12, 4, marks=pytest.mark.slow)]
 )
@@ -97,7 +97,9 @@ def test_direction_is_unit_spectral_norm_and_tangent(n, p):
   assert np.linalg.norm(a, 2) <= 1 + 1e-5
 
 
-@pytest.mark.parametrize("gap_tolerance", [1e-2, 1e-3, 1e-4])
+@pytest.mark.parametrize(  # quick: one tolerance; the others extended
+  "gap_tolerance", [1e-2, *(pytest.param(t, marks=pytest.mark.extended) for t in (1e-3, 1e-4))]
+)
 def test_the_gap_bounds_the_suboptimality_and_meets_the_gap_tolerance(gap_tolerance):
   """ADMM stops at the first certificate within ``gap_tolerance``; the direction is that far from the best, at most."""
   rng = np.random.default_rng(6)
@@ -115,6 +117,7 @@ def test_the_gap_bounds_the_suboptimality_and_meets_the_gap_tolerance(gap_tolera
     assert int(info.iterations) < int(best_info.iterations)
 
 
+@pytest.mark.extended  # quick: test_zero_and_non_finite_gradients keeps the gradient's extremes (zero, inf)
 def test_direction_depends_on_the_direction_of_the_gradient_only():
   rng = np.random.default_rng(3)
   w, g = jnp.asarray(_stiefel(rng, 9, 3)), jnp.asarray(rng.normal(size=(9, 3)), jnp.float32)
@@ -158,7 +161,7 @@ def test_without_momentum_a_step_is_the_reference_rule():
   np.testing.assert_allclose(np.asarray(w + updates), _polar(w - 0.1 * a), atol=2e-6)
 
 
-# Quick: a tall leaf and a per-tap kernel; wide leaves are test_spectral's (Orthogonal(scale), manifold_muon).
+# Quick: a tall leaf (a per-tap kernel extended); wide leaves are test_spectral's (Orthogonal(scale), manifold_muon).
 @pytest.mark.parametrize(
   "shape, constraint",
   [
@@ -166,7 +169,7 @@ def test_without_momentum_a_step_is_the_reference_rule():
     pytest.param((3, 6), cola.Orthogonal(), marks=pytest.mark.slow),
     pytest.param((4, 4), cola.Orthogonal(), marks=pytest.mark.slow),
     pytest.param((3, 3, 4, 5), cola.Orthogonal(), marks=pytest.mark.slow),
-    ((3, 3, 4, 5), cola.Orthogonal(row_axes=(2,), column_axes=(3,))),
+    pytest.param((3, 3, 4, 5), cola.Orthogonal(row_axes=(2,), column_axes=(3,)), marks=pytest.mark.extended),
   ],
 )
 def test_leaves_stay_on_the_manifold(shape, constraint):
@@ -206,6 +209,7 @@ def test_free_leaves_take_sgd_with_the_same_momentum():
     np.testing.assert_allclose(params, sgd_params, rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.extended  # quick: test_free_leaves_take_sgd_with_the_same_momentum, the step without momentum
 def test_beta_is_optax_muon_s_and_without_nesterov_a_step_is_on_its_bias_corrected_average():
   """``m`` is ``optax.contrib.scale_by_muon``'s ``mu`` for the same ``beta``; without Nesterov the step is the one
   from muon's ``mu / (1 - beta^t)``, the same direction (the docstring's correspondence)."""
@@ -306,6 +310,7 @@ def test_a_vmapped_step_calls_lapack_one_matrix_at_a_time():
     assert shape.count(",") == 1, call
 
 
+@pytest.mark.extended  # quick: test_validation.py's test_every_default_takes_the_weight_matrices_and_names_them
 def test_the_default_steps_a_model_with_biases():
   """Not told which leaves, it takes the weight matrices (and says which): biases take SGD with momentum, where
   the default used to raise on any model with a bias."""

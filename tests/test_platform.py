@@ -88,11 +88,11 @@ def _operations(exported) -> collections.Counter:
   return ops
 
 
-@pytest.mark.parametrize(  # every method for cuda; for tpu, whose branch is the same, two (the rest extended)
+@pytest.mark.parametrize(  # quick: o_cola_ud for cuda (noise, stacked LAPACK calls, free leaves), cola_ud for tpu
   ("method", "platform"),
   quick_or_extended(
     [(m, p) for p in ("cuda", "tpu") for m in sorted(METHODS)],
-    {*((m, "cuda") for m in METHODS), ("cola_ud", "tpu"), ("constrained_adam", "tpu")},
+    {("o_cola_ud", "cuda"), ("cola_ud", "tpu")},
     ids=lambda m, p: f"{m}-{p}",
   ),
 )
@@ -134,6 +134,7 @@ def implicit_zero_sum():
   return cola.Implicit(equality=lambda u: jnp.stack([jnp.sum(u), jnp.sum(u * u) - 1]), axis=0)
 
 
+@pytest.mark.extended  # quick: test_step_noise.py's test_a_free_leaf_reads_the_draw_of_its_own_key, the hash test below
 @pytest.mark.parametrize(
   "make, constraint",
   [

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _cases import quick_or_extended
 from jax._src import config as jax_config
 from scipy import stats
 
@@ -19,8 +20,14 @@ KEYS = {
 }
 
 
-@pytest.mark.parametrize("key_name", sorted(KEYS))
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize(  # quick: every shape with one key, every key with one shape
+  ("key_name", "shape"),
+  quick_or_extended(
+    [(k, s) for k in sorted(KEYS) for s in SHAPES],
+    {*(("key(0)", s) for s in SHAPES), *((k, (7,)) for k in KEYS)},
+    ids=lambda k, s: f"{s}-{k}",
+  ),
+)
 def test_bit_identical_to_jax_random_normal(key_name, shape):
   key = KEYS[key_name]()
   ours = jax.jit(lambda k: _noise.normal(k, shape, jnp.float32))(key)
@@ -36,7 +43,9 @@ def test_bit_identical_under_vmap_over_keys():
   np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
 
 
-@pytest.mark.parametrize("key_name", sorted(KEYS))
+@pytest.mark.parametrize(  # quick: one key (the others as test_bit_identical_to_jax_random_normal reads them)
+  "key_name", [k if k == "key(0)" else pytest.param(k, marks=pytest.mark.extended) for k in sorted(KEYS)]
+)
 def test_fold_in_is_jax_random_fold_in_bit_for_bit(key_name):
   key = KEYS[key_name]()
   for data in (0, 1, 7, 2**31 + 3, 2**32 - 1):
@@ -84,6 +93,7 @@ def test_jaxs_threefry_kernel_lowering_leaves_the_numbers_as_they_are():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.extended  # quick: test_bit_identical_to_jax_random_normal (jax.random.normal's numbers)
 def test_standard_normal_moments():
   z = np.asarray(_noise.normal(jax.random.key(0), (200_000,), jnp.float32), np.float64)
   n = z.size
@@ -125,6 +135,7 @@ def test_normal_pair_is_two_independent_standard_normal_arrays():
   assert not np.allclose(first, _pair(jax.random.key(6), (400, 500))[0])
 
 
+@pytest.mark.extended  # quick: test_normal_paired_takes_neighbours_along_the_first_even_outer_axis (pairs by counter)
 def test_normal_pair_is_a_function_of_the_key_and_the_counters():
   # Equal up to the rounding of differently fused programs (an FMA here or there).
   same = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
@@ -142,8 +153,8 @@ def test_normal_pair_is_a_function_of_the_key_and_the_counters():
 @pytest.mark.parametrize(
   "shape, axis",
   [
-    ((6, 5), 0),
-    ((3, 4, 5), 1),
+    pytest.param((6, 5), 0, marks=pytest.mark.extended),
+    ((3, 4, 5), 1),  # quick: an axis other than the first
     *(pytest.param(*c, marks=pytest.mark.extended) for c in (((2, 1), 0), ((1, 8, 2), 1), ((4, 2, 3, 3), 0))),
   ],
   ids=str,
@@ -161,7 +172,11 @@ def test_normal_paired_takes_neighbours_along_the_first_even_outer_axis(shape, a
   np.testing.assert_allclose(noise[odd], second, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("shape", [(), (7,), (8,), (3, 5), (1, 3, 4)], ids=str)
+@pytest.mark.parametrize(  # quick: an even last axis (not an outer one)
+  "shape",
+  [s if s == (8,) else pytest.param(s, marks=pytest.mark.extended) for s in [(), (7,), (8,), (3, 5), (1, 3, 4)]],
+  ids=str,
+)
 def test_normal_paired_without_an_even_outer_axis_is_jax_random_normal(shape):
   key = jax.random.key(2)
   np.testing.assert_array_equal(
@@ -180,6 +195,7 @@ def test_normal_pair_with_another_generator_is_two_jax_random_normal_draws():
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
 
 
+@pytest.mark.extended  # quick: the other generator's test above (the same fallback: two jax.random.normal draws)
 @pytest.mark.skipif(not hasattr(jax, "enable_x64"), reason="jax.enable_x64 needs jax >= 0.8")
 def test_normal_pair_in_float64_is_two_jax_random_normal_draws():
   with jax.enable_x64(True):

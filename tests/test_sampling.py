@@ -104,6 +104,7 @@ def _sphere_start(n):
   return jnp.zeros(n).at[0].set(1.0)
 
 
+@pytest.mark.extended  # quick: test_a_circle_without_force_samples_the_arcsine_law (underdamped, on a manifold)
 def test_underdamped_without_force_samples_the_uniform_law_on_the_sphere():
   """On S^2 each coordinate of a uniform point is uniform on [-1, 1] (Archimedes)."""
   alg = cola.sampling.underdamped(_zero_force, friction=1.0, constraints=cola.UnitNorm(axis="all"))
@@ -177,6 +178,7 @@ def _circle_chain():
   return alg, alg.init({"w": jnp.full(3, 0.2), "b": jnp.zeros(2)}), jax.random.split(jax.random.key(3), 2)
 
 
+@pytest.mark.extended  # quick: test_sampling_collection.py's one_seed_one_chain and many_chains (jit, vmap, resume)
 def test_a_chain_is_its_key_under_jit_and_vmap():
   """One seed, one chain: a jitted and a vmapped step agree; the state resumes a chain."""
   alg, state, keys = _circle_chain()

@@ -89,6 +89,7 @@ def test_blackjax_sgld_samples_the_tempered_gaussian_long(temperature):
   check_tempered_gaussian(temperature, num_chains=64, num_samples=4000, thinning=4, step_size=0.01, tolerance=0.02)
 
 
+@pytest.mark.extended  # the power of the slow test's tolerance; quick law: tests/test_sampling.py's sgld test
 def test_the_discrete_variance_is_what_the_statistical_test_can_tell_apart():
   """The quick test's tolerance rejects the continuous law's variance T / lambda at a larger step (its bias)."""
   samples = sample_gaussian(1.0, num_chains=32, num_samples=500, thinning=4, step_size=0.03)
@@ -204,6 +205,7 @@ def run(num_burnin, num_samples, start=0, state=None, key=None, **kwargs):
   )
 
 
+@pytest.mark.extended  # quick: test_many_chains_by_sample_chains_and_by_vmap_are_the_single_chains resumes chains
 def test_a_chain_resumed_from_its_returned_state_is_the_same_chain():
   whole = run(num_burnin=5, num_samples=12)
   first = run(num_burnin=5, num_samples=8)
@@ -259,6 +261,7 @@ def memory(num_burnin, num_samples, thinning=1, observable=None):
   return analysis.temp_size_in_bytes, analysis.output_size_in_bytes
 
 
+@pytest.mark.extended  # quick: test_many_chains_store_their_samples_in_place (the chain's memory is its samples)
 def test_memory_is_what_is_stored_whatever_the_burn_in_and_thinning():
   temp, out = memory(num_burnin=10, num_samples=20, thinning=2)
   assert memory(num_burnin=20_000, num_samples=20, thinning=2) == (temp, out)
@@ -298,6 +301,7 @@ def test_the_progress_bar_changes_no_result_and_counts_every_step(capsys):
   assert err.count("| 0/125 ") == 1 and "| 125/125 " in err
 
 
+@pytest.mark.extended  # quick: test_the_progress_bar_changes_no_result_and_counts_every_step
 def test_one_progress_bar_for_many_chains(capsys):
   pytest.importorskip("tqdm")
   algorithm = sgld()

@@ -68,6 +68,7 @@ def test_the_formulas_written_here_are_blackjax_diagnostics(name, monkeypatch):
     np.testing.assert_allclose(sampling.potential_scale_reduction(x), rhat_blackjax, rtol=1e-6)
 
 
+@pytest.mark.extended  # quick: test_the_formulas_written_here_are_blackjax_diagnostics (its blackjax numbers)
 def test_blackjax_is_what_is_called_when_installed():
   from blackjax import diagnostics
 

@@ -41,7 +41,7 @@ def average_written_out(apply_fn, samples, num_samples):
   return sum(probs) / num_samples
 
 
-@pytest.mark.parametrize("batch_size", [1, 3])
+@pytest.mark.parametrize("batch_size", [pytest.param(1, marks=pytest.mark.extended), 3])  # quick: batches of 3
 def test_the_predictive_of_a_linen_mlp_is_the_average_of_its_probabilities(batch_size):
   model, samples = linen_samples(6)
   apply_fn = lambda params, x: model.apply({"params": params}, x)
@@ -63,6 +63,7 @@ def test_chains_times_samples_with_sample_axes_two():
   )
 
 
+@pytest.mark.extended  # quick: the linen MLP's predictive above (any apply_fn of a pytree of samples)
 def test_the_predictive_of_an_nnx_model_by_split_and_merge():
   model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), jax.nn.tanh, nnx.Linear(8, 3, rngs=nnx.Rngs(1)))
   graphdef, state = nnx.split(model)
@@ -88,6 +89,7 @@ def temporaries(num_samples):
   return jax.jit(predictive).lower(samples).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.extended  # quick: the linen MLP's predictive above with batch_size=3 (samples a batch at a time)
 def test_memory_does_not_grow_with_the_number_of_samples():
   assert temporaries(400) == temporaries(20)
 

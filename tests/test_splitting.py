@@ -165,10 +165,12 @@ def test_obabo_agrees_with_baoab_to_second_order_on_a_gaussian(h):
   assert obabo[0, 0] / baoab[0, 0] - 1 <= 2 * half_step2  # second order: O(h^2) as h -> 0
 
 
-@pytest.mark.parametrize(
-  "constraint", [cola.Circle(1.0), cola.Orthogonal()], ids=["circle", "orthogonal"]
+@pytest.mark.parametrize(  # quick: the circle with first=True; the other cases extended
+  "constraint",
+  [cola.Circle(1.0), pytest.param(cola.Orthogonal(), marks=pytest.mark.extended)],
+  ids=["circle", "orthogonal"],
 )  # noise drawn in cotangent coordinates; noise projected with the force
-@pytest.mark.parametrize("first", [True, False])
+@pytest.mark.parametrize("first", [True, pytest.param(False, marks=pytest.mark.extended)])
 def test_the_named_splittings_are_the_reference_steps_bit_for_bit(constraint, first):
   w = jax.random.normal(jax.random.key(1), (4, 3)) * 0.3
   w = constraint.nearest(w)

@@ -60,6 +60,7 @@ def test_newton_schulz_is_the_eigh_polar_factor(size, iterations):
   assert float(jnp.max(jnp.abs(ns - sr.polar_of_tangent_step(q + xi)))) <= sr.rounding_floor(64)
 
 
+@pytest.mark.extended  # quick: test_constrained.py's test_large_adam_steps_stay_finite_and_on_the_manifold
 def test_newton_schulz_hands_a_large_step_to_the_eigendecomposition():
   """``|xi|_2 = 3`` is outside the polynomial's region: the iteration stops at once and eigh gives the point."""
   q, xi = _tangent_step(2, 40, 20, 3.0)
@@ -68,6 +69,7 @@ def test_newton_schulz_hands_a_large_step_to_the_eigendecomposition():
   np.testing.assert_allclose(ns, sr.polar_of_tangent_step(q + xi), atol=1e-6)
 
 
+@pytest.mark.extended  # quick: tests/test_fixed_loops.py, the fixed loops against the while loops
 def test_fixed_loops_give_the_same_newton_schulz_point():
   q, xi = _tangent_step(3, 24, 12, 0.5)
   loose, k, ok = jax.jit(sr.newton_schulz_polar)(q + xi)
@@ -89,6 +91,7 @@ def test_qr_agrees_with_the_polar_factor_to_first_order():
   assert gaps[0] <= 0.1**2
 
 
+@pytest.mark.extended  # quick: test_a_non_finite_step_through_orthogonal_gives_nan_and_false (both retractions)
 def test_non_finite_input_gives_nan_and_false():
   q, xi = _tangent_step(8, 12, 6, 0.1)
   retractions = jax.jit(lambda m: (sr.newton_schulz_polar(m), sr.qr_retraction(m)))
@@ -146,6 +149,7 @@ def _check_leaves(retraction, leaves, eager):
       assert (int(other_info.iterations), bool(other_info.converged)) == (int(info.iterations), bool(info.converged))
 
 
+@pytest.mark.extended  # quick: test_each_retraction_is_orthonormal_to_rounding; a conv leaf: test_lapack_under_vmap.py
 @pytest.mark.parametrize(
   ("retraction", "leaves"),
   [
@@ -166,6 +170,7 @@ def test_orthogonal_retract_stays_on_the_manifold_every_leaf(retraction):
   _check_leaves(retraction, tuple(LEAVES), eager=True)
 
 
+@pytest.mark.extended  # quick: test_newton_schulz_is_the_eigh_polar_factor, compiled, against eigh's point
 def test_newton_schulz_compiled_equals_eager():
   """(QR's and the leaves' eager runs: the slow test above.)"""
   q, xi = _tangent_step(13, 20, 10, 0.5)
@@ -173,7 +178,8 @@ def test_newton_schulz_compiled_equals_eager():
     np.testing.assert_allclose(compiled, eager, atol=1e-6)
 
 
-@pytest.mark.parametrize(  # each retraction's leaves stay quick above; one through constrained(adam) here
+@pytest.mark.extended  # quick: test_constrained.py's test_large_adam_steps_stay_finite_and_on_the_manifold
+@pytest.mark.parametrize(  # one retraction through constrained(adam) here, the others under slow
   "retraction", [pytest.param(r, marks=() if r == "newton_schulz" else pytest.mark.slow) for r in RETRACTIONS]
 )
 def test_constrained_adam_stays_on_the_manifold(retraction):
