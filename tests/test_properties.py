@@ -72,8 +72,8 @@ settings.register_profile(
   print_blob=True,
   suppress_health_check=[HealthCheck.too_slow],
 )
-# 50 random examples a case (a new draw each run): each compiles its own layout, about 0.6 s, so the 54 cases
-# take about half an hour on one worker; at 200 they took most of the slow tier's two hours.
+# 50 random examples a case (a new draw each run), each compiling its own layout: the 77 cases are 91 min of
+# test time (results/tests/slow_tier.json), so the slow tier runs this file apart with --dist load.
 settings.register_profile(
   "long", max_examples=50, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
 )
